@@ -1,0 +1,49 @@
+# tplab — two commands do everything on a fresh machine with Python >= 3.10 and pip:
+#   make demo   set up .venv, start an MPI cluster of N engines, execute the notebooks into build/, stop it
+#   make test   set up .venv, run the whole test suite (unit, MPI at several rank counts, notebooks)
+#   make lab    JupyterLab on 127.0.0.1 with a token
+#
+# Variables:
+#   N=4                    MPI engines for make demo
+#   PYTHON=python3         interpreter that creates the venv
+#   TORCH="torch==2.13.0"  torch requirement installed first (the CPU wheel on these machines);
+#                          TORCH=torch on a GPU node takes PyPI's CUDA build; TORCH= skips it
+#   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
+
+PYTHON ?= python3
+VENV   ?= .venv
+N      ?= 4
+TORCH  ?= torch==2.13.0
+MPI    ?= mpich
+PYTEST_ARGS ?=
+
+BIN   := $(abspath $(VENV))/bin
+STAMP := $(VENV)/.tplab-installed
+comma := ,
+
+# mpiexec, ipcluster and jupyter come from the venv; one thread per rank (ranks share few cores)
+export PATH := $(BIN):$(PATH)
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test demo lab clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
+	$(BIN)/python -m pip install -q -e ".[$(if $(MPI),mpich$(comma))notebooks,test]"
+	$(BIN)/python -m tplab info
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/tplab demo --ranks $(N) --out build
+
+lab: setup
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
+clean:
+	rm -rf build .pytest_cache .hypothesis

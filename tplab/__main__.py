@@ -1,0 +1,5 @@
+import sys
+
+from tplab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,32 @@
+"""The naive allreduce: everyone sends to the root, the root reduces, the root sends the result back.
+
+    time   ~ 2(p-1) a + 2(p-1) n b + (p-1) n g
+
+The root's link carries 2(p-1) n bytes while every other link is idle: the bottleneck every better
+algorithm removes. It is still the right picture to start from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.collectives.snapshots import snapshot
+
+ROOT = 0
+
+
+def naive_allreduce(buf, comm, op):
+    snapshot("start", buf)
+    if comm.rank == ROOT:
+        theirs = np.empty_like(buf)
+        for source in range(1, comm.size):  # reduce in rank order: ((x0 op x1) op x2) ...
+            comm.recv(theirs, source)
+            op.combine(buf, theirs, out=buf)
+            snapshot(f"root has ranks 0..{source}", buf)
+        for dest in range(1, comm.size):
+            comm.send(buf, dest)
+    else:
+        comm.send(buf, ROOT)
+        comm.recv(buf, ROOT)
+        snapshot("result from root", buf)
+    return buf

@@ -1,0 +1,159 @@
+"""Recursive doubling and halving: the log p algorithms.
+
+Rank n talks to rank n XOR mask; mask runs over 1, 2, 4, ... (doubling) or ..., 4, 2, 1 (halving).
+
+    recursive doubling allreduce   whole vector every step          lg p a + lg p n (b + g)
+    recursive halving reduce-scatter   halves what is exchanged     lg p a + (p-1)/p n (b + g)
+    recursive doubling allgather       doubles what is exchanged    lg p a + (p-1)/p n b
+    Rabenseifner allreduce = halving reduce-scatter + doubling allgather
+                                                                    2 lg p a + 2(p-1)/p n b + (p-1)/p n g
+
+Few steps (good for small messages); Rabenseifner also moves the minimum number of bytes (good for big
+ones). All of them need 2**k ranks: other rank counts are folded first (``fold.py``).
+
+Windows: after the halving step with distance ``mask`` a rank is responsible for a window of ``mask``
+consecutive new ranks (the one it belongs to); ``span(a, b)`` turns new ranks a..b-1 into the element
+range they own in the vector, which is how the same loops serve allreduce, reduce-scatter and allgather.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.blocks import block_bounds
+from tplab.collectives.fold import PowerOfTwoFold
+from tplab.collectives.snapshots import snapshot
+
+
+def combine_in_rank_order(op, mine, theirs, my_rank, their_rank) -> None:
+    """mine = (lower rank's data) op (higher rank's data): both partners do the very same arithmetic."""
+    if their_rank < my_rank:
+        op.combine(theirs, mine, out=mine)
+    else:
+        op.combine(mine, theirs, out=mine)
+
+
+def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold) -> None:
+    if fold.sits_out:
+        comm.send(buf, fold.rank + 1)
+    elif fold.absorbs_neighbour:
+        theirs = comm.recv(np.empty_like(buf), fold.rank - 1)
+        combine_in_rank_order(op, buf, theirs, fold.rank, fold.rank - 1)
+        snapshot("fold in", buf)
+
+
+def fold_out(buf, comm, fold: PowerOfTwoFold) -> None:
+    """Odd ranks of the folded pairs return the finished vector to their even neighbours."""
+    if fold.absorbs_neighbour:
+        comm.send(buf, fold.rank - 1)
+    elif fold.sits_out:
+        comm.recv(buf, fold.rank + 1)
+        snapshot("fold out", buf)
+
+
+def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span) -> None:
+    """Recursive halving over the 2**k active ranks: afterwards this rank holds the full reduction of
+    the elements ``span(newrank, newrank + 1)``."""
+    n, lo, hi = fold.newrank, 0, fold.pof2
+    mask = fold.pof2 // 2
+    while mask:
+        partner = fold.real_rank(n ^ mask)
+        mid = lo + mask
+        keep, give = ((lo, mid), (mid, hi)) if n < mid else ((mid, hi), (lo, mid))
+        k0, k1 = span(*keep)
+        g0, g1 = span(*give)
+        theirs = np.empty(k1 - k0, dtype=buf.dtype)
+        comm.sendrecv(buf[g0:g1], partner, theirs, partner)
+        combine_in_rank_order(op, buf[k0:k1], theirs, comm.rank, partner)
+        lo, hi = keep
+        mask //= 2
+        snapshot(f"halving step (distance {hi - lo})", buf)
+
+
+def doubling_allgather(buf, comm, fold: PowerOfTwoFold, span) -> None:
+    """Recursive doubling over the 2**k active ranks: each step swaps the windows gathered so far."""
+    n, mask = fold.newrank, 1
+    while mask < fold.pof2:
+        partner_new = n ^ mask
+        mine_lo, theirs_lo = n - n % mask, partner_new - partner_new % mask
+        m0, m1 = span(mine_lo, mine_lo + mask)
+        t0, t1 = span(theirs_lo, theirs_lo + mask)
+        comm.sendrecv(buf[m0:m1], fold.real_rank(partner_new), buf[t0:t1], fold.real_rank(partner_new))
+        mask *= 2
+        snapshot(f"doubling step (distance {mask // 2})", buf)
+
+
+# ---- the four algorithms ----------------------------------------------------------------------------------
+def recursive_doubling_allreduce(buf, comm, op):
+    fold = PowerOfTwoFold(comm.size, comm.rank)
+    snapshot("start", buf)
+    fold_in_by_reducing(buf, comm, op, fold)
+    if not fold.sits_out:
+        theirs = np.empty_like(buf)
+        mask = 1
+        while mask < fold.pof2:
+            partner = fold.real_rank(fold.newrank ^ mask)
+            comm.sendrecv(buf, partner, theirs, partner)  # the whole vector, every step
+            combine_in_rank_order(op, buf, theirs, comm.rank, partner)
+            snapshot(f"step (distance {mask})", buf)
+            mask *= 2
+    fold_out(buf, comm, fold)
+    return buf
+
+
+def rabenseifner_allreduce(buf, comm, op):
+    fold = PowerOfTwoFold(comm.size, comm.rank)
+    bounds = block_bounds(buf.size, fold.pof2)  # one block per active rank
+
+    def span(a, b):
+        return bounds[a], bounds[b]
+
+    snapshot("start", buf)
+    fold_in_by_reducing(buf, comm, op, fold)
+    if not fold.sits_out:
+        halving_reduce_scatter(buf, comm, op, fold, span)
+        doubling_allgather(buf, comm, fold, span)
+    fold_out(buf, comm, fold)
+    return buf
+
+
+def recursive_halving_reduce_scatter(buf, comm, op, bounds):
+    """``bounds``: rank i's result block is ``buf[bounds[i]:bounds[i+1]]``."""
+    fold = PowerOfTwoFold(comm.size, comm.rank)
+
+    def span(a, b):  # a new rank owns the blocks of the real ranks it stands for
+        return bounds[fold.real_ranks_of(a)[0]], bounds[fold.real_ranks_of(b - 1)[-1] + 1]
+
+    snapshot("start", buf)
+    fold_in_by_reducing(buf, comm, op, fold)
+    r = comm.rank
+    if not fold.sits_out:
+        halving_reduce_scatter(buf, comm, op, fold, span)
+    if fold.absorbs_neighbour:  # hand the even neighbour its block
+        comm.send(buf[bounds[r - 1] : bounds[r]], r - 1)
+    elif fold.sits_out:
+        comm.recv(buf[bounds[r] : bounds[r + 1]], r + 1)
+        snapshot("fold out", buf)
+    return buf[bounds[r] : bounds[r + 1]].copy()
+
+
+def recursive_doubling_allgather(mine, comm, bounds):
+    """``bounds``: offsets of every rank's contribution in the gathered vector."""
+    fold = PowerOfTwoFold(comm.size, comm.rank)
+    r = comm.rank
+
+    def span(a, b):
+        return bounds[fold.real_ranks_of(a)[0]], bounds[fold.real_ranks_of(b - 1)[-1] + 1]
+
+    out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
+    out[bounds[r] : bounds[r + 1]] = mine
+    snapshot("start", out)
+    if fold.sits_out:
+        comm.send(mine, r + 1)
+    elif fold.absorbs_neighbour:
+        comm.recv(out[bounds[r - 1] : bounds[r]], r - 1)
+        snapshot("fold in", out)
+    if not fold.sits_out:
+        doubling_allgather(out, comm, fold, span)
+    fold_out(out, comm, fold)
+    return out

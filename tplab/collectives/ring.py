@@ -1,0 +1,78 @@
+"""Ring algorithms: reduce-scatter, allgather, and allreduce = reduce-scatter + allgather.
+
+The p ranks stand in a ring; each step every rank sends one block to its right neighbour and receives
+one from its left neighbour, so every link is busy every step and no rank sends more than its share:
+
+    reduce-scatter   p-1 steps, each moves n/p bytes and reduces them     (p-1) a + (p-1)/p n (b + g)
+    allgather        p-1 steps, each moves n/p bytes                      (p-1) a + (p-1)/p n b
+    allreduce        both                                                 2(p-1) a + 2(p-1)/p n b + (p-1)/p n g
+
+Bandwidth-optimal (no algorithm can send less than 2(p-1)/p n per rank), but the 2(p-1) latency terms
+make it slow for small messages on many ranks.
+
+Blocks: the flat vector is cut into p blocks as ``numpy.array_split`` would (``bounds[i]:bounds[i+1]``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.collectives.snapshots import snapshot
+
+
+def ring_reduce_scatter_blocks(buf, comm, op, bounds) -> None:
+    """In place: afterwards block ``rank`` of ``buf`` holds the reduction of that block over all ranks.
+    (Other blocks hold partial sums: scratch.)"""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    incoming = np.empty(max(bounds[i + 1] - bounds[i] for i in range(p)), dtype=buf.dtype)
+
+    def block(i):
+        i %= p
+        return buf[bounds[i] : bounds[i + 1]]
+
+    for step in range(p - 1):
+        # Block b travels b+1 -> b+2 -> ... -> b, picking up one contribution per hop, so it
+        # arrives complete at rank b after p-1 hops.
+        send, recv = block(r - step - 1), block(r - step - 2)
+        got = incoming[: recv.size]
+        comm.sendrecv(send, right, got, left)
+        op.accumulate(recv, got)
+        snapshot(f"reduce-scatter step {step + 1}", buf)
+
+
+def ring_allgather_blocks(buf, comm, bounds) -> None:
+    """In place: block ``rank`` of ``buf`` is this rank's; afterwards every block is everyone's."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+
+    def block(i):
+        i %= p
+        return buf[bounds[i] : bounds[i + 1]]
+
+    for step in range(p - 1):
+        # pass along the block received in the previous step (at step 0: our own)
+        comm.sendrecv(block(r - step), right, block(r - step - 1), left)
+        snapshot(f"allgather step {step + 1}", buf)
+
+
+def ring_allreduce(buf, comm, op, bounds):
+    snapshot("start", buf)
+    ring_reduce_scatter_blocks(buf, comm, op, bounds)
+    ring_allgather_blocks(buf, comm, bounds)
+    return buf
+
+
+def ring_reduce_scatter(buf, comm, op, bounds):
+    snapshot("start", buf)
+    ring_reduce_scatter_blocks(buf, comm, op, bounds)
+    return buf[bounds[comm.rank] : bounds[comm.rank + 1]].copy()
+
+
+def ring_allgather(mine, comm, bounds):
+    """``bounds`` are the offsets of every rank's contribution in the gathered vector."""
+    out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
+    out[bounds[comm.rank] : bounds[comm.rank + 1]] = mine
+    snapshot("start", out)
+    ring_allgather_blocks(out, comm, bounds)
+    return out

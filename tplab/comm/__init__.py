@@ -1,0 +1,20 @@
+"""tplab.comm — the wire. ``world()`` is the usual entry point; ``MPIComm(c)`` wraps any mpi4py communicator."""
+
+from tplab.comm.base import Communicator, CommTimeoutError, Request
+from tplab.comm.mpi import MPIComm
+
+_world = None
+
+
+def world(timeout: float | None = None) -> MPIComm:
+    """A Communicator over ``MPI.COMM_WORLD`` (the same object on every call unless a timeout is asked for,
+    which gives a fresh one on a duplicate of COMM_WORLD)."""
+    global _world
+    if timeout is not None:
+        return MPIComm(None, timeout=None).with_timeout(timeout)
+    if _world is None:
+        _world = MPIComm()
+    return _world
+
+
+__all__ = ["Communicator", "CommTimeoutError", "MPIComm", "Request", "world"]
