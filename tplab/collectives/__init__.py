@@ -78,7 +78,7 @@ def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     if algorithm == "builtin":
         return back(comm.builtin_allreduce(arr, op).reshape(arr.shape))
     buf, reduce_op = _working_copy(arr), get_op(op)
-    if buf.size and comm.size > 1:
+    if buf.size:
         if algorithm == "naive":
             naive_allreduce(buf, comm, reduce_op)
         elif algorithm == "ring":

@@ -1,0 +1,41 @@
+"""Run the tests in tests/mpi/ on real MPI ranks: ``mpiexec -n K python -m pytest tests/mpi`` per K.
+
+Rank counts 1..8 cover powers of two and the folded non-powers (3, 5, 6, 7); ranks oversubscribe the
+cores, which is slow but exercises every code path. Each launch has a hard time limit on top of the
+per-test watchdog in tests/mpi/conftest.py, so nothing here can hang CI.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# many hypothesis examples where it is cheap, fewer when 6-8 ranks share two cores
+EXAMPLES = {1: 60, 2: 60, 3: 60, 4: 60, 5: 40, 6: 15, 7: 15, 8: 15}
+
+
+def mpiexec() -> str:
+    candidate = Path(sys.executable).parent / "mpiexec"
+    found = str(candidate) if candidate.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec (install the mpich wheel or a system MPI)")
+    return found
+
+
+@pytest.mark.parametrize("ranks", sorted(EXAMPLES))
+def test_mpi_suite(ranks):
+    env = dict(os.environ, TPLAB_UNDER_MPIEXEC="1", OMP_NUM_THREADS="1",
+               TPLAB_HYPOTHESIS_EXAMPLES=str(EXAMPLES[ranks]), PYTHONFAULTHANDLER="1")
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", "tests/mpi", "-q", "-s",
+           "-p", "no:cacheprovider", "-p", "no:nbmake", "-x"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mpiexec -n {ranks} did not finish within 600 s\n{e.stdout or ''}\n{e.stderr or ''}")
+    summary = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    print(f"mpiexec -n {ranks}: {summary[0]}")
+    assert proc.returncode == 0, f"mpiexec -n {ranks} failed (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"

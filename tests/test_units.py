@@ -1,0 +1,64 @@
+"""Single-process tests of the pieces the algorithms are built from."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tplab
+from tplab.blocks import block_bounds, block_counts
+from tplab.collectives import auto
+from tplab.collectives.fold import PowerOfTwoFold
+from tplab.ops import OPS, get_op
+
+
+@given(count=st.integers(0, 10_000), parts=st.integers(1, 64))
+def test_blocks_cut_like_array_split(count, parts):
+    expected = [len(b) for b in np.array_split(np.arange(count), parts)]
+    assert block_counts(count, parts) == expected
+    bounds = block_bounds(count, parts)
+    assert bounds[0] == 0 and bounds[-1] == count and len(bounds) == parts + 1
+
+
+@given(p=st.integers(1, 200))
+def test_fold_maps_every_rank_once(p):
+    """The folded ranks form a power of two; every real rank is represented by exactly one new rank,
+    and the ranges of real ranks are contiguous and in order (so element ranges stay contiguous)."""
+    folds = [PowerOfTwoFold(p, r) for r in range(p)]
+    pof2 = folds[0].pof2
+    assert pof2 <= p < 2 * pof2
+    active = [f for f in folds if not f.sits_out]
+    assert sorted(f.newrank for f in active) == list(range(pof2))
+    for f in active:
+        assert f.real_rank(f.newrank) == f.rank
+    covered = [r for n in range(pof2) for r in folds[0].real_ranks_of(n)]
+    assert covered == list(range(p))
+    assert sum(f.sits_out for f in folds) == p - pof2
+
+
+def test_auto_follows_mpich_rules():
+    assert auto.choose("allreduce", 8, 1, 4) == "recursive_doubling"
+    assert auto.choose("allreduce", 2048, 512, 4) == "recursive_doubling"
+    assert auto.choose("allreduce", 4096, 1024, 4) == "rabenseifner"
+    assert auto.choose("allreduce", 1 << 20, 3, 8) == "recursive_doubling"  # fewer elements than pof2
+    assert auto.choose("reduce_scatter", 1 << 20, 1 << 18, 4) == "ring"
+    assert auto.choose("allgather", 1024, 256, 4) == "recursive_doubling"
+    assert auto.choose("broadcast", 1024, 256, 4) == "binomial"
+
+
+def test_every_collective_lists_builtin_and_auto():
+    assert set(tplab.ALGORITHMS) == {"allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"}
+    for names in tplab.ALGORITHMS.values():
+        assert "builtin" in names and "auto" in names
+    assert set(tplab.ALGORITHMS["allreduce"]) >= {"naive", "ring", "recursive_doubling", "rabenseifner", "tree"}
+
+
+def test_ops():
+    a, b = np.array([1.0, 5.0]), np.array([3.0, 2.0])
+    assert get_op("sum").combine(a, b, out=np.empty(2)).tolist() == [4, 7]
+    assert get_op("max").combine(a, b, out=np.empty(2)).tolist() == [3, 5]
+    assert get_op("min").reduce_many([a, b]).tolist() == [1, 2]
+    assert get_op("prod").reduce_many([a, b]).tolist() == [3, 10]
+    assert set(OPS) == {"sum", "prod", "max", "min"}
+    with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
+        get_op("mean")
