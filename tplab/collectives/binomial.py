@@ -23,7 +23,7 @@ def binomial_reduce(buf, comm, op, root):
     """In place on the way up; the full reduction ends on ``root`` (other ranks' ``buf`` is scratch)."""
     p = comm.size
     rel = (comm.rank - root) % p
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     theirs = np.empty_like(buf)
     mask = 1
     while mask < p:
@@ -34,20 +34,24 @@ def binomial_reduce(buf, comm, op, root):
         if child < p:
             comm.recv(theirs, (child + root) % p)
             combine_in_rank_order(op, buf, theirs, rel, child)  # keep relative rank order: lower first
-        snapshot(f"reduce round {mask.bit_length()}", buf)
+        snapshot(f"reduce round {mask.bit_length()}", buf, at_round=mask.bit_length())
         mask *= 2
     return buf
 
 
-def binomial_broadcast(buf, comm, root):
+def binomial_broadcast(buf, comm, root, first_round=1):
     p = comm.size
     rel = (comm.rank - root) % p
-    snapshot("start", buf)
+    rounds = (p - 1).bit_length()  # ceil(lg p)
+    if rel == 0:
+        snapshot("broadcast start", buf, at_round=first_round - 1)
     # receive from the parent (the root has none) ...
     mask = 1
     while mask < p:
         if rel & mask:
             comm.recv(buf, (rel - mask + root) % p)
+            k = rounds - mask.bit_length() + 1  # the root serves its farthest child first
+            snapshot(f"broadcast round {k}", buf, at_round=first_round - 1 + k)
             break
         mask *= 2
     # ... then send to the children, farthest first
@@ -56,10 +60,9 @@ def binomial_broadcast(buf, comm, root):
         if rel + mask < p:
             comm.send(buf, (rel + mask + root) % p)
         mask //= 2
-    snapshot("broadcast done", buf)
     return buf
 
 
 def tree_allreduce(buf, comm, op):
     binomial_reduce(buf, comm, op, root=0)
-    return binomial_broadcast(buf, comm, root=0)
+    return binomial_broadcast(buf, comm, root=0, first_round=(comm.size - 1).bit_length() + 1)

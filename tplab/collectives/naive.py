@@ -16,17 +16,17 @@ ROOT = 0
 
 
 def naive_allreduce(buf, comm, op):
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     if comm.rank == ROOT:
         theirs = np.empty_like(buf)
         for source in range(1, comm.size):  # reduce in rank order: ((x0 op x1) op x2) ...
             comm.recv(theirs, source)
             op.combine(buf, theirs, out=buf)
-            snapshot(f"root has ranks 0..{source}", buf)
+            snapshot(f"root has ranks 0..{source}", buf, at_round=source)
         for dest in range(1, comm.size):
             comm.send(buf, dest)
     else:
         comm.send(buf, ROOT)
         comm.recv(buf, ROOT)
-        snapshot("result from root", buf)
+        snapshot("result from root", buf, at_round=comm.size)
     return buf

@@ -39,23 +39,23 @@ def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold) -> None:
     elif fold.absorbs_neighbour:
         theirs = comm.recv(np.empty_like(buf), fold.rank - 1)
         combine_in_rank_order(op, buf, theirs, fold.rank, fold.rank - 1)
-        snapshot("fold in", buf)
+        snapshot("fold in", buf, at_round=1)
 
 
-def fold_out(buf, comm, fold: PowerOfTwoFold) -> None:
+def fold_out(buf, comm, fold: PowerOfTwoFold, at_round) -> None:
     """Odd ranks of the folded pairs return the finished vector to their even neighbours."""
     if fold.absorbs_neighbour:
         comm.send(buf, fold.rank - 1)
     elif fold.sits_out:
         comm.recv(buf, fold.rank + 1)
-        snapshot("fold out", buf)
+        snapshot("fold out", buf, at_round=at_round)
 
 
-def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span) -> None:
+def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_round=2) -> None:
     """Recursive halving over the 2**k active ranks: afterwards this rank holds the full reduction of
     the elements ``span(newrank, newrank + 1)``."""
     n, lo, hi = fold.newrank, 0, fold.pof2
-    mask = fold.pof2 // 2
+    mask, step = fold.pof2 // 2, 0
     while mask:
         partner = fold.real_rank(n ^ mask)
         mid = lo + mask
@@ -67,10 +67,11 @@ def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span) -> None:
         combine_in_rank_order(op, buf[k0:k1], theirs, comm.rank, partner)
         lo, hi = keep
         mask //= 2
-        snapshot(f"halving step (distance {hi - lo})", buf)
+        snapshot(f"halving step (distance {hi - lo})", buf, at_round=first_round + step)
+        step += 1
 
 
-def doubling_allgather(buf, comm, fold: PowerOfTwoFold, span) -> None:
+def doubling_allgather(buf, comm, fold: PowerOfTwoFold, span, first_round=2) -> None:
     """Recursive doubling over the 2**k active ranks: each step swaps the windows gathered so far."""
     n, mask = fold.newrank, 1
     while mask < fold.pof2:
@@ -79,14 +80,14 @@ def doubling_allgather(buf, comm, fold: PowerOfTwoFold, span) -> None:
         m0, m1 = span(mine_lo, mine_lo + mask)
         t0, t1 = span(theirs_lo, theirs_lo + mask)
         comm.sendrecv(buf[m0:m1], fold.real_rank(partner_new), buf[t0:t1], fold.real_rank(partner_new))
+        snapshot(f"doubling step (distance {mask})", buf, at_round=first_round + mask.bit_length() - 1)
         mask *= 2
-        snapshot(f"doubling step (distance {mask // 2})", buf)
 
 
 # ---- the four algorithms ----------------------------------------------------------------------------------
 def recursive_doubling_allreduce(buf, comm, op):
     fold = PowerOfTwoFold(comm.size, comm.rank)
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     fold_in_by_reducing(buf, comm, op, fold)
     if not fold.sits_out:
         theirs = np.empty_like(buf)
@@ -95,9 +96,9 @@ def recursive_doubling_allreduce(buf, comm, op):
             partner = fold.real_rank(fold.newrank ^ mask)
             comm.sendrecv(buf, partner, theirs, partner)  # the whole vector, every step
             combine_in_rank_order(op, buf, theirs, comm.rank, partner)
-            snapshot(f"step (distance {mask})", buf)
+            snapshot(f"step (distance {mask})", buf, at_round=2 + mask.bit_length() - 1)
             mask *= 2
-    fold_out(buf, comm, fold)
+    fold_out(buf, comm, fold, at_round=2 + fold.pof2.bit_length() - 1)
     return buf
 
 
@@ -108,12 +109,13 @@ def rabenseifner_allreduce(buf, comm, op):
     def span(a, b):
         return bounds[a], bounds[b]
 
-    snapshot("start", buf)
+    lg = fold.pof2.bit_length() - 1
+    snapshot("start", buf, at_round=0)
     fold_in_by_reducing(buf, comm, op, fold)
     if not fold.sits_out:
-        halving_reduce_scatter(buf, comm, op, fold, span)
-        doubling_allgather(buf, comm, fold, span)
-    fold_out(buf, comm, fold)
+        halving_reduce_scatter(buf, comm, op, fold, span, first_round=2)
+        doubling_allgather(buf, comm, fold, span, first_round=2 + lg)
+    fold_out(buf, comm, fold, at_round=2 + 2 * lg)
     return buf
 
 
@@ -124,7 +126,7 @@ def recursive_halving_reduce_scatter(buf, comm, op, bounds):
     def span(a, b):  # a new rank owns the blocks of the real ranks it stands for
         return bounds[fold.real_ranks_of(a)[0]], bounds[fold.real_ranks_of(b - 1)[-1] + 1]
 
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     fold_in_by_reducing(buf, comm, op, fold)
     r = comm.rank
     if not fold.sits_out:
@@ -133,7 +135,7 @@ def recursive_halving_reduce_scatter(buf, comm, op, bounds):
         comm.send(buf[bounds[r - 1] : bounds[r]], r - 1)
     elif fold.sits_out:
         comm.recv(buf[bounds[r] : bounds[r + 1]], r + 1)
-        snapshot("fold out", buf)
+        snapshot("fold out", buf, at_round=2 + fold.pof2.bit_length() - 1)
     return buf[bounds[r] : bounds[r + 1]].copy()
 
 
@@ -147,13 +149,13 @@ def recursive_doubling_allgather(mine, comm, bounds):
 
     out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
     out[bounds[r] : bounds[r + 1]] = mine
-    snapshot("start", out)
+    snapshot("start", out, at_round=0)
     if fold.sits_out:
         comm.send(mine, r + 1)
     elif fold.absorbs_neighbour:
         comm.recv(out[bounds[r - 1] : bounds[r]], r - 1)
-        snapshot("fold in", out)
+        snapshot("fold in", out, at_round=1)
     if not fold.sits_out:
         doubling_allgather(out, comm, fold, span)
-    fold_out(out, comm, fold)
+    fold_out(out, comm, fold, at_round=2 + fold.pof2.bit_length() - 1)
     return out

@@ -38,10 +38,10 @@ def ring_reduce_scatter_blocks(buf, comm, op, bounds) -> None:
         got = incoming[: recv.size]
         comm.sendrecv(send, right, got, left)
         op.accumulate(recv, got)
-        snapshot(f"reduce-scatter step {step + 1}", buf)
+        snapshot(f"reduce-scatter step {step + 1}", buf, at_round=step + 1)
 
 
-def ring_allgather_blocks(buf, comm, bounds) -> None:
+def ring_allgather_blocks(buf, comm, bounds, first_round=1) -> None:
     """In place: block ``rank`` of ``buf`` is this rank's; afterwards every block is everyone's."""
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
@@ -53,18 +53,18 @@ def ring_allgather_blocks(buf, comm, bounds) -> None:
     for step in range(p - 1):
         # pass along the block received in the previous step (at step 0: our own)
         comm.sendrecv(block(r - step), right, block(r - step - 1), left)
-        snapshot(f"allgather step {step + 1}", buf)
+        snapshot(f"allgather step {step + 1}", buf, at_round=first_round + step)
 
 
 def ring_allreduce(buf, comm, op, bounds):
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     ring_reduce_scatter_blocks(buf, comm, op, bounds)
-    ring_allgather_blocks(buf, comm, bounds)
+    ring_allgather_blocks(buf, comm, bounds, first_round=comm.size)
     return buf
 
 
 def ring_reduce_scatter(buf, comm, op, bounds):
-    snapshot("start", buf)
+    snapshot("start", buf, at_round=0)
     ring_reduce_scatter_blocks(buf, comm, op, bounds)
     return buf[bounds[comm.rank] : bounds[comm.rank + 1]].copy()
 
@@ -73,6 +73,6 @@ def ring_allgather(mine, comm, bounds):
     """``bounds`` are the offsets of every rank's contribution in the gathered vector."""
     out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
     out[bounds[comm.rank] : bounds[comm.rank + 1]] = mine
-    snapshot("start", out)
+    snapshot("start", out, at_round=0)
     ring_allgather_blocks(out, comm, bounds)
     return out

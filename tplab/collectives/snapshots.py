@@ -1,11 +1,13 @@
 """Snapshots of an algorithm's working buffer after each step, for drawing "which chunk sits where".
 
-The algorithms call ``snapshot(label, buf)`` at the end of every step; it does nothing unless a
-``recording()`` block is active on this rank, so the hooks cost one global lookup in normal runs.
+The algorithms call ``snapshot(label, buf, at_round=k)`` at the end of every step; it does nothing
+unless a ``recording()`` block is active on this rank, so the hooks cost one global lookup in normal
+runs. ``at_round`` is the algorithm's own step count (the "round" of the lecture's pseudo-code), which
+lines the ranks up in a picture: wall-clock order would not, when ranks outnumber cores.
 
     with recording() as steps:
         tplab.allreduce(x, comm, algorithm="ring")
-    steps   # [("start", array), ("reduce-scatter step 1", array), ...]
+    steps   # [("start", array, 0), ("reduce-scatter step 1", array, 1), ...]
 
 Run it with x = 2**rank (integers, op "sum"): every element of a snapshot is then a bit mask of the
 ranks whose contributions it already holds. ``tplab.plots.draw_steps`` turns that into the picture.
@@ -18,9 +20,9 @@ import contextlib
 _active: list | None = None
 
 
-def snapshot(label: str, buf) -> None:
+def snapshot(label: str, buf, at_round: float) -> None:
     if _active is not None:
-        _active.append((label, buf.copy()))
+        _active.append((label, buf.copy(), at_round))
 
 
 @contextlib.contextmanager
@@ -31,3 +33,21 @@ def recording():
         yield _active
     finally:
         _active = previous
+
+
+def trace_allreduce(algorithm: str, count: int | None = None, comm=None) -> dict:
+    """Run one allreduce with x = 2**rank (op sum) on this rank while recording; return this rank's
+    steps as ``{"rank": r, "size": p, "steps": [(label, [mask, ...], round), ...]}`` (run it on every rank).
+
+    Each number is a bit mask: bit j set <=> rank j's contribution is included in that element."""
+    import numpy as np
+
+    import tplab
+    from tplab.comm import world
+
+    comm = comm or world()
+    count = comm.size if count is None else count
+    x = np.full(count, 1 << comm.rank, dtype=np.int64)
+    with recording() as steps:
+        tplab.allreduce(x, comm, algorithm=algorithm)
+    return {"rank": comm.rank, "size": comm.size, "steps": [(label, buf.tolist(), k) for label, buf, k in steps]}

@@ -74,6 +74,10 @@ class MPIComm(Communicator):
         pause = 0.0
         while not handle.Test():
             if time.monotonic() > deadline:
+                try:  # withdraw the operation so it cannot match a later message
+                    handle.Cancel()
+                except Exception:  # noqa: BLE001 - best effort; the error below is what matters
+                    pass
                 raise CommTimeoutError(
                     f"rank {self.rank}: {what} did not complete within {self.timeout:g} s "
                     "(a deadlock? the peer may never post the matching operation, or it failed)"
