@@ -16,6 +16,7 @@ Only the Communicator's own methods are protected: raw mpi4py calls in the reade
 from __future__ import annotations
 
 import hashlib
+import textwrap
 
 import numpy as np
 
@@ -57,7 +58,26 @@ def _diagnose(result, expected, x, x_before, p) -> str | None:
     blocks = [i for i in range(p) if wrong[bounds[i]:bounds[i + 1]].any()]
     first = int(np.argmax(wrong))
     return (f"{int(wrong.sum())} of {wrong.size} elements wrong, in blocks {blocks} "
-            f"(first: element {first} is {result[first]!r}, expected {expected[first]!r})")
+            f"(first: element {first} is {result[first].item()!r}, expected {expected[first].item()!r})")
+
+
+def _summarise(failing: dict) -> str:
+    """The most telling failure first (an exception, then wrong values, then timeouts, which are often
+    only ranks left waiting for a rank that failed), and which other ranks failed too."""
+    if not failing:
+        return ""
+
+    def telling(rank):
+        text = failing[rank]
+        return (0 if text.startswith("raised") else 2 if text.startswith("deadlock") else 1), rank
+
+    first, *others = sorted(failing, key=telling)
+    text = f"rank {first}: {failing[first]}"
+    if len(others) == 1:
+        text += f" (rank {others[0]} also failed: {failing[others[0]]})"
+    elif others:
+        text += f" (ranks {', '.join(map(str, sorted(others)))} also failed)"
+    return text
 
 
 def check_allreduce(fn, comm=None, *, timeout: float = 5.0, cases=None, stop_at_first_failure=False):
@@ -81,7 +101,7 @@ def check_allreduce(fn, comm=None, *, timeout: float = 5.0, cases=None, stop_at_
         digest = None if problem else hashlib.sha256(np.asarray(result).tobytes()).hexdigest()
         verdicts = base.allgather_object((problem, digest))
         failing = {r: v for r, (v, _) in enumerate(verdicts) if v}
-        summary = "; ".join(f"rank {r}: {v}" for r, v in failing.items())
+        summary = _summarise(failing)
         if not failing and len({d for _, d in verdicts}) > 1:
             failing = {"all": True}
             summary = "correct to rounding, but not bitwise identical on every rank (reduction order differs)"
@@ -97,5 +117,6 @@ def format_report(report) -> str:
     lines = [f"{passed} of {len(report)} cases correct"]
     for r in report:
         mark = "ok   " if r["ok"] else "WRONG"
-        lines.append(f"  {mark} {r['case']:<14} {r['dtype']:<8} {r['problem']}")
+        problem = textwrap.fill(r["problem"], width=100, subsequent_indent=" " * 33)
+        lines.append(f"  {mark} {r['case']:<14} {r['dtype']:<8} {r['count']:>7}  {problem}")
     return "\n".join(lines)

@@ -34,7 +34,7 @@ def step_table(traces):
     """From per-rank traces (``tplab.collectives.snapshots.trace_allreduce`` on every rank) build the
     ordered list of step labels and, for each, every rank's buffer (carried forward if the rank did
     nothing in that step). Steps are ordered by the algorithm's round number."""
-    traces = sorted(traces, key=lambda t: t["rank"])
+    traces = sorted((t for t in traces if t is not None), key=lambda t: t["rank"])
     steps_of = [_unique_labels(t["steps"]) for t in traces]
     order: dict[str, tuple] = {}  # label -> (round, where it first appeared): ties keep a rank's own order
     for steps in steps_of:
@@ -56,6 +56,7 @@ def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 8)
     """One panel per step; rows are ranks, columns are elements of the vector. Each cell lists the
     ranks whose contributions it holds; the colour deepens as it fills (the goal: every rank, every
     element, all p contributions)."""
+    traces = [t for t in traces if t is not None]  # ranks outside a sub-communicator return None
     p = len(traces)
     _, table = step_table(traces)
     ncols = min(len(table), max_columns)

@@ -35,9 +35,11 @@ def recording():
         _active = previous
 
 
-def trace_allreduce(algorithm: str, count: int | None = None, comm=None) -> dict:
+def trace_allreduce(algorithm: str, count: int | None = None, comm=None, ranks: int | None = None):
     """Run one allreduce with x = 2**rank (op sum) on this rank while recording; return this rank's
-    steps as ``{"rank": r, "size": p, "steps": [(label, [mask, ...], round), ...]}`` (run it on every rank).
+    steps as ``{"rank": r, "size": p, "steps": [(label, [mask, ...], round), ...]}``. Call it on every
+    rank. ``ranks=k`` runs it on the first k ranks only (a sub-communicator; the others return None),
+    which is how a notebook shows p = 3 on a cluster of 4.
 
     Each number is a bit mask: bit j set <=> rank j's contribution is included in that element."""
     import numpy as np
@@ -46,6 +48,11 @@ def trace_allreduce(algorithm: str, count: int | None = None, comm=None) -> dict
     from tplab.comm import world
 
     comm = comm or world()
+    if ranks is not None:
+        sub = comm.split(color=0 if comm.rank < ranks else 1)
+        if comm.rank >= ranks:
+            return None
+        comm = sub
     count = comm.size if count is None else count
     x = np.full(count, 1 << comm.rank, dtype=np.int64)
     with recording() as steps:

@@ -80,7 +80,7 @@ class MPIComm(Communicator):
                     pass
                 raise CommTimeoutError(
                     f"rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                    "(a deadlock? the peer may never post the matching operation, or it failed)"
+                    "(a deadlock? the peer never posted the matching operation, or it failed)"
                 )
             # back off gently: ranks often outnumber cores, and a spinning rank steals its peer's core
             time.sleep(pause)
