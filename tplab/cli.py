@@ -2,11 +2,14 @@
 
     tplab info                       versions, MPI library, GPUs
     tplab demo --ranks 4 --out build start a local MPI cluster, execute the notebooks, summarise, stop
+    mpiexec -n 4 tplab bench allreduce --algorithms ring,recursive_doubling,builtin -b 8 -e 64M -f 2
+                                     time collectives (nccl-tests-like flags and columns)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -40,6 +43,49 @@ def cmd_demo(args) -> int:
     return run_demo(ranks=args.ranks, out=args.out, notebooks=args.notebooks, timeout=args.timeout)
 
 
+def parse_size(text: str) -> int:
+    """'8', '64K', '64M', '1G' -> bytes (powers of 1024, as nccl-tests reads them)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def cmd_bench(args) -> int:
+    import csv
+
+    import tplab
+    from tplab.bench import sweep
+    from tplab.comm import world
+
+    comm = world()
+    algorithms = args.algorithms.split(",") if args.algorithms else \
+        [a for a in tplab.ALGORITHMS[args.collective] if a != "auto"]
+    sizes, size = [], args.minbytes
+    while size <= args.maxbytes:
+        sizes.append(size)
+        size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
+    rows = sweep(args.collective, algorithms, sizes, dtype=args.datatype, op=args.op, iters=args.iters,
+                 warmup=args.warmup_iters, comm=comm)
+    if comm.rank != 0:
+        return 0
+    for row in rows:
+        row["machine"] = args.machine or ""
+    if args.csv:
+        new_file = not (args.append and os.path.exists(args.csv))
+        with open(args.csv, "a" if args.append else "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new_file:
+                writer.writeheader()
+            writer.writerows(rows)
+    print(f"# {args.collective} on {comm.size} ranks, {args.datatype}: time (us), median over {args.iters} "
+          "iterations of the slowest rank")
+    print(f"{'size':>10}" + "".join(f"{a:>20}" for a in algorithms))
+    by_point = {(r["size"], r["algorithm"]): r["time_us"] for r in rows}
+    for s in dict.fromkeys(r["size"] for r in rows):
+        print(f"{s:>10}" + "".join(f"{by_point[s, a]:>20.2f}" for a in algorithms))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tplab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +99,22 @@ def main(argv=None) -> int:
     p.add_argument("--notebooks", nargs="*", default=None, help="notebooks to run (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="time collectives on the ranks of this MPI job (run under mpiexec)")
+    p.add_argument("collective", choices=["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+    p.add_argument("--algorithms", "-a", default=None, help="comma-separated (default: all but auto)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size per rank (8, 1K, 1M)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=1 << 20, help="largest size per rank")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
+    p.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20, help="add this when -f is 1")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per point (median)")
+    p.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations first")
+    p.add_argument("-d", "--datatype", default="float32")
+    p.add_argument("-o", "--op", default="sum")
+    p.add_argument("--csv", default=None, help="write the rows to this CSV (rank 0)")
+    p.add_argument("--append", action="store_true", help="append to --csv instead of replacing it")
+    p.add_argument("--machine", default=None, help="a description of the machine, stored in every row")
+    p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)
