@@ -18,13 +18,12 @@ from tplab.cluster import (
     ClusterTimeout,
     EngineDied,
     RankError,
-    _cluster_processes,
-    _describe,
-    _find_mpiexec,
     connect_or_start,
     engine_rank,
     stop_cluster,
 )
+from tplab.cluster.failures import describe_error
+from tplab.cluster.processes import cluster_processes, find_mpiexec
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +70,7 @@ def test_mpiexec_is_found_next_to_python():
     beside_python = os.path.join(VENV_BIN, "mpiexec")
     if not os.path.exists(beside_python):
         pytest.skip("no mpiexec next to this Python (a system MPI, found on PATH)")
-    assert _find_mpiexec() == beside_python
+    assert find_mpiexec() == beside_python
 
 
 def test_start_gives_one_mpi_world_in_rank_order(cluster):
@@ -200,12 +199,12 @@ def test_error_descriptions_drop_terminal_colours():
         ename, evalue = "KeyError", "'w'"
         traceback = "\x1b[31mKeyError\x1b[39m: 'w'\n  File \x1b[32mx.py\x1b[0m:3"
 
-    assert _describe(FakeRemoteError()) == "KeyError: 'w'\n    KeyError: 'w'\n      File x.py:3"
+    assert describe_error(FakeRemoteError()) == "KeyError: 'w'\n    KeyError: 'w'\n      File x.py:3"
 
 
 def test_stop_leaves_no_process_behind(cluster, profile_dir):
     pids = [i["pid"] for i in cluster.run(engine_rank)]
-    tree = _cluster_processes(cluster.profile_dir, cluster.cluster_id)
+    tree = cluster_processes(cluster.profile_dir, cluster.cluster_id)
     names = " ".join(" ".join(p.cmdline()) for p in tree)
     assert "ipyparallel.controller" in names and "mpiexec" in names and "ipyparallel.engine" in names
     assert {p.pid for p in processes_of(profile_dir)} == {p.pid for p in tree}

@@ -27,7 +27,7 @@ def mpiexec() -> str:
 
 
 @pytest.mark.parametrize("ranks", sorted(EXAMPLES))
-def test_mpi_suite(ranks):
+def test_mpi_suite(ranks, record_property):
     env = dict(os.environ, TPLAB_UNDER_MPIEXEC="1", OMP_NUM_THREADS="1",
                TPLAB_HYPOTHESIS_EXAMPLES=str(EXAMPLES[ranks]), PYTHONFAULTHANDLER="1")
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", "tests/mpi", "-q", "-s",
@@ -36,6 +36,6 @@ def test_mpi_suite(ranks):
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"mpiexec -n {ranks} did not finish within 600 s\n{e.stdout or ''}\n{e.stderr or ''}")
-    summary = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    print(f"mpiexec -n {ranks}: {summary[0]}")
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
+    record_property("mpi_summary", f"mpiexec -n {ranks}: {summary}")  # shown at the end (conftest.py)
     assert proc.returncode == 0, f"mpiexec -n {ranks} failed (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"

@@ -64,7 +64,14 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
     }
 
 
-def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20, warmup=3, comm=None) -> list:
-    """``time_collective`` for every algorithm and size; returns the rows (identical on every rank)."""
+def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20, warmup=3, comm=None,
+          progress=False) -> list:
+    """``time_collective`` for every algorithm and size; returns the rows (identical on every rank).
+    ``progress=True`` shows a tqdm bar on rank 0 (for terminals; engines' output is captured)."""
+    from tqdm.auto import tqdm
+
+    comm = comm or world()
+    points = [(s, a) for s in sizes for a in algorithms]
+    bar = tqdm(points, desc=f"{collective} p={comm.size}", disable=not progress or comm.rank != 0, leave=False)
     return [time_collective(collective, a, s, dtype=dtype, op=op, iters=iters, warmup=warmup, comm=comm)
-            for s in sizes for a in algorithms]
+            for s, a in bar]

@@ -65,7 +65,7 @@ def cmd_bench(args) -> int:
         sizes.append(size)
         size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
     rows = sweep(args.collective, algorithms, sizes, dtype=args.datatype, op=args.op, iters=args.iters,
-                 warmup=args.warmup_iters, comm=comm)
+                 warmup=args.warmup_iters, comm=comm, progress=True)
     if comm.rank != 0:
         return 0
     for row in rows:

@@ -1,71 +1,23 @@
-"""tplab.cluster — a local cluster of MPI engines for Jupyter, with errors that say which rank failed.
-
-Each engine is one MPI rank (started together by ``mpiexec``); the notebook sends them Python functions
-through ipyparallel. Code on several ranks fails in ways one process cannot: a rank raises while the
-others wait for ever in a collective, or a rank's process dies. ``Cluster.run`` turns each of these into
-an exception that names the ranks, and ``restart()`` gets you going again.
-
-    from tplab.cluster import connect_or_start, engine_rank
-    cluster = connect_or_start(n=4)          # reuse the cluster "tplab" if it runs, else start it
-    cluster.run(engine_rank)                 # [{'rank': 0, 'size': 4, ...}, {'rank': 1, ...}, ...]
-    cluster.run_df(engine_rank)              # the same as a DataFrame, one row per rank
-    cluster.activate()                       # then %%px cells run on every rank
-    cluster.stop()
-
-From a terminal instead: ``ipcluster start -n 4 --engines=MPI --cluster-id=tplab``, then
-``Cluster.connect("tplab")`` in the notebook.
-"""
+"""The Cluster: start or connect to n MPI engines, run functions on every rank, stop without orphans."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
-import sys
 import time
 
 import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
+from tplab.cluster.failures import ClusterError, ClusterTimeout, RankError, echo_output, gather_results, name_ranks
+from tplab.cluster.processes import cluster_processes, find_mpiexec, shutdown
+
 # ipyparallel logs every engine's output at WARNING when mpiexec stops, and an ERROR for each stale
 # cluster file it reads: keep that out of notebook cells. Set this logger to DEBUG to watch the launchers.
 _IPP_LOG = logging.getLogger("tplab.cluster.ipyparallel")
 _IPP_LOG.setLevel(logging.CRITICAL)
-
-# After one rank fails, how long to wait for the others before reporting: they may fail too, or be
-# blocked for ever in a collective that the failed rank will never join.
-ERROR_GRACE_SECONDS = 2.0
-RECOVER = "cluster.restart() kills and relaunches the engines (their variables are lost: re-run your setup)"
-
-
-class ClusterError(RuntimeError):
-    """Something went wrong with the cluster (base class of the errors below)."""
-
-
-class RankError(ClusterError):
-    """Ranks raised. ``failures``: {rank: RemoteError}; ``unfinished``: ranks that were still running."""
-
-    def __init__(self, message, failures=None, unfinished=()):
-        super().__init__(message)
-        self.failures, self.unfinished = dict(failures or {}), list(unfinished)
-
-
-class ClusterTimeout(ClusterError):
-    """Ranks did not finish in time. ``finished`` / ``unfinished``: lists of ranks."""
-
-    def __init__(self, message, finished=(), unfinished=()):
-        super().__init__(message)
-        self.finished, self.unfinished = list(finished), list(unfinished)
-
-
-class EngineDied(ClusterError):
-    """Engine processes died. ``ranks``: the dead ranks, the first to die first."""
-
-    def __init__(self, message, ranks=()):
-        super().__init__(message)
-        self.ranks = list(ranks)
 
 
 def engine_rank() -> dict:
@@ -96,11 +48,11 @@ class Cluster:
         # Engine ids number the engines in the order they registered, not by MPI rank: ask each one.
         engine_ids = sorted(client.ids)
         try:
-            infos = _gather({e: client[e].apply_async(engine_rank) for e in engine_ids}, min(timeout, 30),
+            infos = gather_results({e: client[e].apply_async(engine_rank) for e in engine_ids}, min(timeout, 30),
                             "engine_rank", label="engine")
         except ClusterTimeout as e:  # an idle engine answers in moments
             raise ClusterTimeout(
-                f"{_names(e.unfinished, 'engine').capitalize()} did not tell their MPI rank: busy, perhaps "
+                f"{name_ranks(e.unfinished, 'engine').capitalize()} did not tell their MPI rank: busy, perhaps "
                 f"stuck in a call from an earlier session. Stop the cluster (tplab.cluster.stop_cluster("
                 f"{cluster_id!r})) and start it again.", e.finished, e.unfinished) from None
         self.ranks = {eid: info["rank"] for eid, info in zip(engine_ids, infos)}  # engine id -> MPI rank
@@ -125,7 +77,7 @@ class Cluster:
         config = Config()
         # ipyparallel runs a bare `mpiexec`, not on PATH when the venv was never activated (a Jupyter
         # kernel started from elsewhere): use the one installed next to this Python, if there is one.
-        config.MPIEngineSetLauncher.mpi_cmd = [_find_mpiexec()]
+        config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
         config.MPIEngineSetLauncher.environment = env
         where = {**_where(cluster_id, None, profile_dir), "shutdown_atexit": True}  # stop it as Python exits
         ipp_cluster = ipp.Cluster(engines="mpi", n=n, config=config, delay=0, **where)
@@ -144,7 +96,7 @@ class Cluster:
         except BaseException as e:
             if client is not None:
                 client.close()
-            _shutdown(ipp_cluster, profile_dir, cluster_id)
+            shutdown(ipp_cluster, profile_dir, cluster_id)
             if isinstance(e, FileNotFoundError):
                 raise ClusterError(f"could not run mpiexec ({e}): `pip install mpich` installs one") from e
             raise
@@ -186,7 +138,7 @@ class Cluster:
         name = getattr(func, "__name__", "func")
         lost = lambda: [self.ranks[e] for e in set(self.ranks) - set(self.client.ids)]  # noqa: E731
         try:
-            return [wrapped[0] for wrapped in _gather(pending, timeout, name, lost=lost)]
+            return [wrapped[0] for wrapped in gather_results(pending, timeout, name, lost=lost)]
         except RankError as e:
             module = getattr(func, "__module__", None)
             if f"No module named '{module}'" in str(e):  # ipyparallel imports func's module on the engines
@@ -194,7 +146,7 @@ class Cluster:
                           "in the notebook, or put its folder on their PYTHONPATH (Cluster.start(env=...)).",)
             raise
         finally:
-            _echo_output(pending)
+            echo_output(pending)
 
     def run_df(self, func, *args, timeout=120, **kwargs):
         """``run`` as a DataFrame, column "rank" first: a dict result is a row (its keys are columns), a
@@ -226,7 +178,7 @@ class Cluster:
             self.client = None
         if self.owns or force:
             ipp_cluster = self._ipp_cluster or _load_cluster_file(self.profile_dir, self.cluster_id)
-            _shutdown(ipp_cluster, self.profile_dir, self.cluster_id, kill_engines_first=busy)
+            shutdown(ipp_cluster, self.profile_dir, self.cluster_id, kill_engines_first=busy)
             self._ipp_cluster = None
 
     def restart(self) -> "Cluster":
@@ -276,15 +228,12 @@ def stop_cluster(cluster_id="", *, profile=None, profile_dir=None) -> bool:
     """Stop a cluster by id, whoever started it (``ipcluster``, a kernel that was killed...), even with
     stuck engines: ``ipcluster stop --cluster-id=ID``, thoroughly. True if anything was running."""
     profile_dir = ipp.Cluster(**_where(cluster_id, profile, profile_dir)).profile_dir
-    was_running = bool(_cluster_processes(profile_dir, cluster_id))
-    _shutdown(_load_cluster_file(profile_dir, cluster_id), profile_dir, cluster_id)
+    was_running = bool(cluster_processes(profile_dir, cluster_id))
+    shutdown(_load_cluster_file(profile_dir, cluster_id), profile_dir, cluster_id)
     return was_running
 
 
 # ---- finding clusters and waiting for engines ------------------------------------------------------------
-def _find_mpiexec() -> str:
-    beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside_python if os.access(beside_python, os.X_OK) else "mpiexec"
 
 
 def _where(cluster_id, profile, profile_dir) -> dict:
@@ -338,145 +287,3 @@ def _tail(launcher, lines=20) -> str:
     except OSError:  # ipyparallel reads and deletes the file when mpiexec exits
         text = getattr(launcher, "_output", None) or ""
     return "".join(text.splitlines(True)[-lines:])
-
-
-# ---- collecting results, and explaining failures ---------------------------------------------------------
-def _gather(pending, timeout, what, label="rank", lost=lambda: []):
-    """Wait for {rank: AsyncResult}; return the results in rank order, or raise a ClusterError naming the
-    ranks that raised, died or did not finish. ``label`` is the word for a key ("engine" before ranks
-    are known); ``lost()`` lists the ranks whose engines left the controller."""
-    deadline, first_failure = time.monotonic() + timeout, None
-    while not all(ar.ready() for ar in pending.values()):
-        now = time.monotonic()
-        # A dead engine comes back as an EngineError within moments (each engine has a watchdog
-        # "nanny" that tells the controller); one that left without that report counts as dead too.
-        if lost() or any(ar.ready() and not ar.successful() for ar in pending.values()):
-            first_failure = first_failure or now
-            if now - first_failure > ERROR_GRACE_SECONDS:
-                break
-        if now > deadline:
-            break
-        time.sleep(0.02)
-    results, errors, unfinished = {}, {}, []
-    for key, ar in sorted(pending.items()):
-        if not ar.ready():
-            unfinished.append(key)
-            continue
-        try:
-            results[key] = ar.get(0)
-        except Exception as e:  # noqa: BLE001 - a remote error: described below
-            errors[key] = e
-    died = sorted((k for k, e in errors.items() if getattr(e, "ename", None) == "EngineError"),
-                  key=lambda k: _completed(pending[k]))  # the first reported is the first that died
-    died += [k for k in sorted(lost()) if k in unfinished]
-    if died:
-        raise EngineDied(
-            f"{what}: the engine process of {label} {died[0]} died"
-            + (f", then {_names(died[1:], label)} (mpiexec ends every rank of an MPI job when one dies)"
-               if len(died) > 1 else "")
-            + ". Typical causes: a crash in native code, the out-of-memory killer, os._exit, a signal. "
-            f"Recover: {RECOVER}.", ranks=died)
-    if errors:
-        by_text = {}  # ranks that failed the same way are reported together
-        for key, error in errors.items():
-            by_text.setdefault(_describe(error), []).append(key)
-        message = f"{what} raised on {_names(list(errors), label)}:\n\n" + "\n\n".join(
-            f"--- {_names(keys, label)}: {text}" for text, keys in by_text.items())
-        if unfinished:
-            message += (
-                f"\n\n{_names(unfinished, label).capitalize()} had not finished {ERROR_GRACE_SECONDS:g} s "
-                f"later: most likely blocked in a collective (barrier, allreduce, send/recv) waiting for "
-                f"{_names(list(errors), label)}, which will never join. A rank blocked inside MPI cannot be "
-                f"interrupted: {RECOVER}.")
-        raise RankError(message, errors, unfinished)
-    if unfinished:
-        finished = sorted(results)
-        raise ClusterTimeout(
-            f"{what} did not finish within {timeout:g} s: {_names(unfinished, label)} did not finish"
-            + (f", {_names(finished, label)} did" if finished else "")
-            + ".\nLikely cause: a rank blocked in a collective because another rank failed, died or never "
-            "called it (a deadlock), or work that needs more time than the timeout."
-            f"\nA rank blocked inside MPI cannot be interrupted: {RECOVER}.",
-            finished, unfinished)
-    return [results[k] for k in sorted(results)]
-
-
-def _completed(ar) -> float:
-    when = ar.metadata.get("completed")
-    return when.timestamp() if when else float("inf")
-
-
-def _names(keys, label) -> str:
-    return f"{label} {keys[0]}" if len(keys) == 1 else f"{label}s {', '.join(map(str, keys))}"
-
-
-def _describe(error, lines=12) -> str:
-    """'ValueError: boom' and the last lines of the remote traceback, without the terminal colours."""
-    head = f"{getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
-    tb = re.sub(r"\x1b\[[0-9;]*m", "", getattr(error, "traceback", None) or "")
-    # IPython separates the frames with blank lines: drop the frames of ipyparallel and of _on_engine
-    frames = [f for f in tb.split("\n\n") if f.strip() and not _is_plumbing(f.strip().splitlines()[0])]
-    tail = [line for line in "\n".join(frames).splitlines() if line.strip()][-lines:]
-    return head + "".join("\n    " + line for line in tail)
-
-
-def _is_plumbing(first_line) -> bool:
-    return (first_line.startswith("---") or "/ipyparallel/" in first_line
-            or first_line.startswith("File <string>") or "in _on_engine(" in first_line)
-
-
-def _echo_output(pending):
-    """Show what the ranks printed, each line tagged with its rank (ipyparallel captured it)."""
-    for rank, ar in sorted(pending.items()):
-        for stream in ("stdout", "stderr"):
-            for line in (ar.metadata.get(stream) or "").splitlines():
-                print(f"[rank {rank}] {line}", file=getattr(sys, stream))
-
-
-# ---- stopping without leaving processes behind -----------------------------------------------------------
-def _cluster_processes(profile_dir, cluster_id) -> list:
-    """Every local process of a cluster, found by its environment: ipyparallel sets IPP_PROFILE_DIR and
-    IPP_CLUSTER_ID for the controller and mpiexec, and the engines (and their nannies) inherit them."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            continue
-        if env.get("IPP_PROFILE_DIR") == profile_dir and env.get("IPP_CLUSTER_ID") == cluster_id:
-            found += [proc] if proc.pid != os.getpid() else []
-    return found
-
-
-def _shutdown(ipp_cluster, profile_dir, cluster_id, kill_engines_first=False):
-    """Stop through ipyparallel (SIGTERM to the controller and mpiexec), then terminate what is left."""
-    if kill_engines_first:  # ranks stuck inside MPI never act on SIGTERM: mpiexec would wait for them
-        _kill([p for p in _cluster_processes(profile_dir, cluster_id) if "ipyparallel.engine" in _cmdline(p)])
-    if ipp_cluster is not None:
-        try:
-            ipp_cluster.stop_cluster_sync()
-        except Exception:  # noqa: BLE001 - what it could not stop, the sweep below does
-            pass
-    leftovers = _cluster_processes(profile_dir, cluster_id)
-    for proc in leftovers:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _kill(psutil.wait_procs(leftovers, timeout=3)[1])
-
-
-def _cmdline(proc) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def _kill(procs):
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=5)

@@ -1,0 +1,34 @@
+"""tplab.cluster — a local cluster of MPI engines for Jupyter, with errors that say which rank failed.
+
+Each engine is one MPI rank (started together by ``mpiexec``); the notebook sends them Python functions
+through ipyparallel. Code on several ranks fails in ways one process cannot: a rank raises while the
+others wait for ever in a collective, or a rank's process dies. ``Cluster.run`` turns each of these into
+an exception that names the ranks, and ``restart()`` gets you going again.
+
+    from tplab.cluster import connect_or_start, engine_rank
+    cluster = connect_or_start(n=4)          # reuse the cluster "tplab" if it runs, else start it
+    cluster.run(engine_rank)                 # [{'rank': 0, 'size': 4, ...}, {'rank': 1, ...}, ...]
+    cluster.run_df(engine_rank)              # the same as a DataFrame, one row per rank
+    cluster.activate()                       # then %%px cells run on every rank
+    cluster.stop()
+
+From a terminal instead: ``ipcluster start -n 4 --engines=MPI --cluster-id=tplab``, then
+``Cluster.connect("tplab")`` in the notebook.
+"""
+
+from tplab.cluster.cluster import Cluster, connect, connect_or_start, engine_rank, start, stop_cluster
+from tplab.cluster.failures import ERROR_GRACE_SECONDS, ClusterError, ClusterTimeout, EngineDied, RankError
+
+__all__ = [
+    "ERROR_GRACE_SECONDS",
+    "Cluster",
+    "ClusterError",
+    "ClusterTimeout",
+    "EngineDied",
+    "RankError",
+    "connect",
+    "connect_or_start",
+    "engine_rank",
+    "start",
+    "stop_cluster",
+]
