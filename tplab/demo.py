@@ -105,12 +105,12 @@ def _print_summary(results, out: Path):
     print(f"\n{'notebook':<{width}}  {'time':>7}  result")
     for r in results:
         print(f"{r['name']:<{width}}  {r['seconds']:6.1f}s  {'OK' if r['ok'] else 'FAILED  ' + r['error']}")
-    # Notebooks leave small CSV summaries of what they measured in the output folder: show them.
+    # Notebooks leave CSVs of what they measured in the output folder: show each in brief.
     for csv in sorted(out.glob("*.csv")):
         print(f"\n{csv.name}:")
         try:
-            print(pd.read_csv(csv).to_string(max_rows=10, max_cols=10, show_dimensions="truncate"))
-        except (ValueError, OSError) as e:  # an empty or half-written file: say so, go on
+            print(_brief(pd.read_csv(csv)).to_string(max_rows=12, max_cols=10, show_dimensions="truncate"))
+        except (ValueError, OSError, KeyError) as e:  # an empty or half-written file: say so, go on
             print(f"  (unreadable: {e})")
     print(f"\nexecuted notebooks and HTML: {out}/")
     figures = sorted((out / "figures").glob("*.png"))
@@ -119,6 +119,16 @@ def _print_summary(results, out: Path):
     failed = [r["name"] for r in results if not r["ok"]]
     print(f"\n{len(results) - len(failed)} of {len(results)} notebooks ran"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+
+
+def _brief(df):
+    """A correctness table as cases and failures per algorithm; a timing table as time (us) by size and
+    algorithm; anything else as it is."""
+    if {"algorithm", "ok"} <= set(df.columns):
+        return df.groupby("algorithm", sort=False).agg(cases=("ok", "size"), correct=("ok", "sum"))
+    if {"algorithm", "size", "time_us"} <= set(df.columns):
+        return df.pivot_table(index="size", columns="algorithm", values="time_us", sort=False).round(1)
+    return df
 
 
 def _export_html(executed: Path) -> Path:

@@ -105,3 +105,26 @@ def plot_times(df, x="size", y="time_us", hue="algorithm", title=None, ax=None):
     if title:
         ax.set_title(title)
     return fig
+
+
+def plot_speedup(df, baseline="builtin", title=None, ax=None):
+    """Speed relative to ``baseline`` (its time / each algorithm's time) against size: above 1 is faster
+    than the baseline. Shows crossovers that a log-log time plot squeezes together."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.5, 4), constrained_layout=True)
+    else:
+        fig = ax.figure
+    times = df.pivot_table(index="size", columns="algorithm", values="time_us", sort=False)
+    for name in times.columns:
+        if name != baseline:
+            ax.plot(times.index, times[baseline] / times[name], marker="o", ms=3, label=name)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size per rank (bytes)")
+    ax.set_ylabel(f"speed relative to {baseline}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
