@@ -8,12 +8,15 @@
 #   PYTHON=python3         interpreter that creates the venv
 #   TORCH="torch==2.13.0"  torch requirement installed first (the CPU wheel on these machines);
 #                          TORCH=torch on a GPU node takes PyPI's CUDA build; TORCH= skips it
+#   TORCH_INDEX=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu for the small
+#                          CPU build on a laptop (PyPI's default Linux wheel is the CUDA one, GBs)
 #   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
 
 PYTHON ?= python3
 VENV   ?= .venv
 N      ?= 4
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 MPI    ?= mpich
 PYTEST_ARGS ?=
 
@@ -31,7 +34,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
+	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
 	$(BIN)/python -m pip install -q -e ".[$(if $(MPI),mpich$(comma))notebooks,test]"
 	$(BIN)/python -m tplab info
 	touch $@
