@@ -22,5 +22,5 @@ if MPI.COMM_WORLD.rank == 0:
     assert not bad, bad[:3]
 "
   $MPIEXEC -n "$p" python3 -m tplab bench allreduce -b 8 -e 32M -f 2 -n 20 -w 3 \
-      --csv "$out" --append --machine "$machine"
+      --csv "$out" --machine "$machine"
 done

@@ -1,19 +1,29 @@
-"""Timing collectives honestly, on every rank at once.
+"""Timing collectives honestly, on every rank at once, in the field's conventions.
 
-One measurement = warm-up calls, then ``iters`` timed calls, each started together (barrier) and
-timed on every rank; an iteration takes as long as its slowest rank (max over ranks), and the
-reported time is the median over iterations (robust to the odd descheduled rank when ranks share
-cores). Argument checks are off while timing (``check=False``): they are not part of the algorithm.
+One point = validate once against the MPI built-in (#wrong), warm up, then ``iters`` timed calls, each
+started together (barrier) and timed on every rank with a monotonic clock. Two ways to boil the
+(ranks x iterations) times down to one number:
 
-    rows = sweep("allreduce", ["ring", "recursive_doubling", "builtin"], sizes=[8, 64, 512, 4096])
-    pandas.DataFrame(rows)    # the same rows on every rank
+    nccl-tests style (default)  time_us = max over ranks of the median over iterations: robust to the odd
+                                descheduled rank when ranks share cores, and the slowest rank decides
+    OSU style (osu=True)        avg_us = the mean over iterations and ranks ("Avg Latency(us)"), with the
+                                min and max over ranks of their means; iterations as osu_allreduce does
+                                (1000 + 100 warm-up up to 8 KiB, then 100 + 10)
 
-Columns follow nccl-tests where they apply: size (bytes per rank), count (elements), type, redop,
-time_us, algbw and busbw in GB/s (algbw = size / time; busbw = algbw x 2(p-1)/p for allreduce).
+Argument checks are off while timing (``check=False``): they are not part of the algorithm.
+
+Sizes follow nccl-tests: ``size`` is S in bytes, with algbw = S / time and busbw = algbw x factor:
+allreduce S = bytes per rank, factor 2(p-1)/p; reduce_scatter S = the full input vector, allgather
+S = the gathered total, both factor (p-1)/p; broadcast and reduce S = the message, factor 1.
+
+    rows = sweep("allreduce", ["ring", "builtin"], sizes=[8, 1024, 1 << 20], csv="runs.csv")
+    pandas.DataFrame(rows)   # identical on every rank; the CSV grows point by point and a rerun resumes
 """
 
 from __future__ import annotations
 
+import csv
+import os
 import time
 
 import numpy as np
@@ -28,50 +38,152 @@ BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors (shared/REFERENCE.md s.3)
     "broadcast": lambda p: 1.0,
     "reduce": lambda p: 1.0,
 }
+KEY = ("collective", "algorithm", "ranks", "size", "type", "redop", "mode")  # what identifies a point
 
 
-def _call(collective, x, comm, algorithm, op):
+def elements_per_rank(collective: str, size: int, p: int, itemsize: int) -> int:
+    """How many elements each rank passes in for an nccl-tests size S (at least one)."""
+    per_rank = size // p if collective == "allgather" else size
+    return max(per_rank // itemsize, 1)
+
+
+def _call(collective, x, comm, algorithm, op, check=False):
     fn = getattr(tplab, collective)
     if collective in ("allgather", "broadcast"):
-        return fn(x, comm, algorithm=algorithm, check=False)
-    return fn(x, comm, op=op, algorithm=algorithm, check=False)
+        return fn(x, comm, algorithm=algorithm, check=check)
+    return fn(x, comm, op=op, algorithm=algorithm, check=check)
+
+
+def _builtin(collective, x, comm, op):
+    if collective == "allgather":
+        return comm.builtin_allgather(x)
+    if collective == "broadcast":
+        return comm.builtin_broadcast(x, 0)
+    if collective == "reduce":
+        return comm.builtin_reduce(x, op, 0)
+    return getattr(comm, f"builtin_{collective}")(x, op)
+
+
+def count_wrong(collective, algorithm, x, comm, op) -> int:
+    """Elements (summed over ranks) that differ from the MPI built-in: exactly for integers and
+    max/min, beyond the rounding bound of p combinations for float sums and products."""
+    got = _call(collective, x, comm, algorithm, op, check=True)
+    want = _builtin(collective, x, comm, op)
+    if got is None or want is None:  # reduce: only the root holds a result
+        wrong = 0 if (got is None) == (want is None) else max(x.size, 1)
+    elif got.dtype.kind in "iu" or op in ("max", "min") or collective in ("allgather", "broadcast"):
+        wrong = int(np.count_nonzero(got != want))
+    else:
+        tolerance = 4 * comm.size * np.finfo(got.dtype).eps
+        scale = np.maximum(np.abs(want.astype(np.float64)), 1.0)
+        wrong = int(np.count_nonzero(np.abs(got.astype(np.float64) - want) > tolerance * scale))
+    return sum(comm.allgather_object(wrong))
+
+
+def osu_iterations(size: int) -> tuple[int, int]:
+    """(timed, warm-up) iterations as OSU's osu_allreduce chooses them."""
+    return (1000, 100) if size <= 8192 else (100, 10)
 
 
 def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=20, warmup=3,
-                    comm=None) -> dict:
-    """Time one collective on ``size`` bytes per rank (rounded down to whole elements, at least one)."""
+                    comm=None, osu=False, validate=True) -> dict:
+    """Measure one point; returns one row (the same on every rank)."""
     comm = comm or world()
     dt = np.dtype(dtype)
-    count = max(size // dt.itemsize, 1)
-    x = np.ones(count, dtype=dt)
+    count = elements_per_rank(collective, size, comm.size, dt.itemsize)
+    rng = np.random.default_rng([count, comm.rank])
+    x = (rng.integers(-8, 9, size=count) if dt.kind in "iu" else rng.uniform(-1, 1, size=count)).astype(dt)
+    wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
+    if osu:
+        iters, warmup = osu_iterations(size)
     for _ in range(warmup):
         _call(collective, x, comm, algorithm, op)
-    mine = []
-    for _ in range(iters):
+    mine = np.empty(iters)
+    for i in range(iters):
         comm.barrier()
         t0 = time.perf_counter()
         _call(collective, x, comm, algorithm, op)
-        mine.append(time.perf_counter() - t0)
-    per_iteration = np.max(np.array(comm.allgather_object(mine)), axis=0)  # slowest rank, each iteration
-    t = float(np.median(per_iteration))
-    nbytes = count * dt.itemsize
+        mine[i] = time.perf_counter() - t0
+    everyone = np.array(comm.allgather_object(mine.tolist()))  # (ranks, iterations)
+    nbytes = count * dt.itemsize * (comm.size if collective == "allgather" else 1)
+    if osu:
+        per_rank = everyone.mean(axis=1)
+        t, lo, hi = float(per_rank.mean()), float(per_rank.min()), float(per_rank.max())
+    else:
+        t = float(np.median(everyone, axis=1).max())
+        per_iteration = everyone.max(axis=0)  # each iteration lasts as long as its slowest rank
+        lo, hi = float(per_iteration.min()), float(per_iteration.max())
     algbw = nbytes / t / 1e9 if t > 0 else float("nan")
     return {
         "collective": collective, "algorithm": algorithm, "ranks": comm.size,
-        "size": nbytes, "count": count, "type": dt.name, "redop": op,
-        "time_us": t * 1e6, "min_us": float(per_iteration.min()) * 1e6, "max_us": float(per_iteration.max()) * 1e6,
-        "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](comm.size),
+        "size": nbytes, "count": count, "type": dt.name, "redop": op, "mode": "osu" if osu else "nccl",
+        "time_us": t * 1e6, "min_us": lo * 1e6, "max_us": hi * 1e6,
+        "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](comm.size), "wrong": wrong,
+        "iters": iters,
     }
 
 
+def _typed(row: dict) -> dict:
+    """A CSV row's strings back to numbers where they are numbers."""
+    out = {}
+    for k, v in row.items():
+        for kind in (int, float):
+            try:
+                out[k] = kind(v)
+                break
+            except (TypeError, ValueError):
+                continue
+        else:
+            out[k] = v
+    return out
+
+
+def _done_points(path, comm) -> dict:
+    """Rows already in the CSV, by KEY (read on rank 0, shared so every rank skips the same points)."""
+    done = {}
+    if comm.rank == 0 and path and os.path.exists(path):
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                done[tuple(row.get(k, "") for k in KEY)] = _typed(row)
+    return comm.allgather_object(done)[0]
+
+
+def _append(path, row) -> None:
+    new_file = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new_file:
+            writer.writeheader()
+        writer.writerow(row)
+
+
 def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20, warmup=3, comm=None,
-          progress=False) -> list:
-    """``time_collective`` for every algorithm and size; returns the rows (identical on every rank).
-    ``progress=True`` shows a tqdm bar on rank 0 (for terminals; engines' output is captured)."""
+          osu=False, validate=True, csv_path=None, extra=None, progress=False) -> list:
+    """``time_collective`` for every size and algorithm; the rows, identical on every rank.
+
+    ``csv_path``: rank 0 appends each point as soon as it is measured, and points already in the file
+    (same collective, algorithm, ranks, size, type, redop, mode) are not measured again, so an
+    interrupted sweep resumes where it stopped. ``extra``: columns added to every row (say, machine).
+    ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured)."""
     from tqdm.auto import tqdm
 
     comm = comm or world()
+    done = _done_points(csv_path, comm)
+    rows = []
     points = [(s, a) for s in sizes for a in algorithms]
-    bar = tqdm(points, desc=f"{collective} p={comm.size}", disable=not progress or comm.rank != 0, leave=False)
-    return [time_collective(collective, a, s, dtype=dtype, op=op, iters=iters, warmup=warmup, comm=comm)
-            for s, a in bar]
+    for size, algorithm in tqdm(points, desc=f"{collective} p={comm.size}", leave=False,
+                                disable=not progress or comm.rank != 0):
+        itemsize = np.dtype(dtype).itemsize
+        nbytes = elements_per_rank(collective, size, comm.size, itemsize) * itemsize
+        nbytes *= comm.size if collective == "allgather" else 1
+        key = (collective, algorithm, str(comm.size), str(nbytes), np.dtype(dtype).name, op, "osu" if osu else "nccl")
+        if key in done:
+            rows.append(done[key])
+            continue
+        row = time_collective(collective, algorithm, size, dtype=dtype, op=op, iters=iters, warmup=warmup,
+                              comm=comm, osu=osu, validate=validate)
+        row.update(extra or {})
+        if csv_path and comm.rank == 0:
+            _append(csv_path, row)
+        rows.append(row)
+    return rows

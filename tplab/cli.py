@@ -51,8 +51,6 @@ def parse_size(text: str) -> int:
 
 
 def cmd_bench(args) -> int:
-    import csv
-
     import tplab
     from tplab.bench import sweep
     from tplab.comm import world
@@ -60,30 +58,41 @@ def cmd_bench(args) -> int:
     comm = world()
     algorithms = args.algorithms.split(",") if args.algorithms else \
         [a for a in tplab.ALGORITHMS[args.collective] if a != "auto"]
+    unknown = [a for a in algorithms if a not in tplab.ALGORITHMS[args.collective]]
+    if unknown:
+        if comm.rank == 0:
+            print(f"tplab bench: unknown {args.collective} algorithms {unknown}; "
+                  f"choose from {list(tplab.ALGORITHMS[args.collective])}", file=sys.stderr)
+        return 2
     sizes, size = [], args.minbytes
     while size <= args.maxbytes:
         sizes.append(size)
         size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
     rows = sweep(args.collective, algorithms, sizes, dtype=args.datatype, op=args.op, iters=args.iters,
-                 warmup=args.warmup_iters, comm=comm, progress=True)
-    if comm.rank != 0:
-        return 0
-    for row in rows:
-        row["machine"] = args.machine or ""
-    if args.csv:
-        new_file = not (args.append and os.path.exists(args.csv))
-        with open(args.csv, "a" if args.append else "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new_file:
-                writer.writeheader()
-            writer.writerows(rows)
-    print(f"# {args.collective} on {comm.size} ranks, {args.datatype}: time (us), median over {args.iters} "
-          "iterations of the slowest rank")
-    print(f"{'size':>10}" + "".join(f"{a:>20}" for a in algorithms))
-    by_point = {(r["size"], r["algorithm"]): r["time_us"] for r in rows}
-    for s in dict.fromkeys(r["size"] for r in rows):
-        print(f"{s:>10}" + "".join(f"{by_point[s, a]:>20.2f}" for a in algorithms))
-    return 0
+                 warmup=args.warmup_iters, comm=comm, osu=args.osu, validate=args.check,
+                 csv_path=args.csv, extra={"machine": args.machine or ""}, progress=True)
+    if comm.rank == 0:
+        print(format_table(rows, osu=args.osu))
+    return 0 if all(int(r["wrong"]) <= 0 for r in rows) else 1
+
+
+def format_table(rows, osu=False) -> str:
+    """nccl-tests' columns (out-of-place only: tplab's collectives return new arrays), or OSU's."""
+    if osu:
+        lines = [f"# {'Size':>10} {'algorithm':>20} {'Avg Latency(us)':>16} {'Min Latency(us)':>16} "
+                 f"{'Max Latency(us)':>16} {'Iterations':>10}"]
+        lines += [f"  {r['size']:>10} {r['algorithm']:>20} {r['time_us']:>16.2f} {r['min_us']:>16.2f} "
+                  f"{r['max_us']:>16.2f} {r['iters']:>10}" for r in rows]
+        return "\n".join(lines)
+    lines = [f"# {rows[0]['collective']} on {rows[0]['ranks']} ranks" if rows else "# nothing measured",
+             f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'algorithm':>20} {'time':>10} "
+             f"{'algbw':>8} {'busbw':>8} {'#wrong':>7}",
+             f"# {'(B)':>10} {'(elements)':>10} {'':>8} {'':>6} {'':>20} {'(us)':>10} {'(GB/s)':>8} "
+             f"{'(GB/s)':>8} {'':>7}"]
+    for r in rows:
+        lines.append(f"  {r['size']:>10} {r['count']:>10} {r['type']:>8} {r['redop']:>6} {r['algorithm']:>20} "
+                     f"{r['time_us']:>10.2f} {r['algbw']:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>7}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -111,8 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations first")
     p.add_argument("-d", "--datatype", default="float32")
     p.add_argument("-o", "--op", default="sum")
-    p.add_argument("--csv", default=None, help="write the rows to this CSV (rank 0)")
-    p.add_argument("--append", action="store_true", help="append to --csv instead of replacing it")
+    p.add_argument("--csv", default=None, help="append each point to this CSV; a rerun skips points already there")
+    p.add_argument("--osu", action="store_true", help="OSU latency mode: average latency, OSU's iteration counts")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip validation (#wrong = -1)")
     p.add_argument("--machine", default=None, help="a description of the machine, stored in every row")
     p.set_defaults(func=cmd_bench)
 

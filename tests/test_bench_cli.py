@@ -1,0 +1,70 @@
+"""`tplab bench` under mpiexec: nccl-tests-like table on rank 0, CSV point by point, resumes."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tplab.cli import parse_size
+
+BIN = Path(sys.executable).parent
+
+
+def bench(*args, ranks=2, timeout=120):
+    mpiexec = BIN / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec next to this Python")
+    proc = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, "-m", "tplab", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def read(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_parse_size():
+    assert parse_size("8") == 8 and parse_size("64K") == 65536 and parse_size("64M") == 64 << 20
+    assert parse_size("1G") == 1 << 30 and parse_size("2KB") == 2048
+
+
+def test_table_csv_and_resume(tmp_path):
+    path = tmp_path / "runs.csv"
+    args = ["allreduce", "-a", "ring,recursive_doubling,builtin", "-b", "8", "-e", "2K", "-f", "16", "-n", "3",
+            "--csv", str(path), "--machine", "test machine"]
+    first = bench(*args)
+    assert first.returncode == 0, first.stderr
+    header = [line for line in first.stdout.splitlines() if line.startswith("#")]
+    assert all(c in header[1] for c in ["size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"]), header
+    rows = read(path)
+    assert len(rows) == 3 * 3  # sizes 8, 128, 2048 x three algorithms, written once (by rank 0)
+    assert {r["wrong"] for r in rows} == {"0"} and {r["ranks"] for r in rows} == {"2"}
+    assert {r["machine"] for r in rows} == {"test machine"}
+
+    # an interrupted sweep: drop the last rows, run again: only the missing points are measured
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows[:4])
+    second = bench(*args)
+    assert second.returncode == 0, second.stderr
+    resumed = read(path)
+    assert len(resumed) == 9 and resumed[:4] == rows[:4]
+    assert sorted((r["algorithm"], r["size"]) for r in resumed) == sorted((r["algorithm"], r["size"]) for r in rows)
+
+
+def test_osu_mode_and_other_collectives(tmp_path):
+    proc = bench("allgather", "-b", "64", "-e", "64", "--osu", ranks=3)
+    assert proc.returncode == 0, proc.stderr
+    assert "Avg Latency(us)" in proc.stdout and "recursive_doubling" in proc.stdout
+    for collective in ["reduce_scatter", "broadcast", "reduce"]:
+        proc = bench(collective, "-b", "1K", "-e", "1K", "-n", "2", ranks=3)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_algorithm_is_a_clear_error():
+    proc = bench("allreduce", "-a", "bogus", "-e", "8")
+    assert proc.returncode == 2 and "unknown allreduce algorithms ['bogus']" in proc.stderr

@@ -1,0 +1,95 @@
+"""Tuning tables: which algorithm ``algorithm="auto"`` picks, by collective, rank count and size.
+
+MPI libraries ship such tables (MPICH's JSON tuning files, Open MPI's coll_tuned decision rules); tplab
+builds its own from measurements on the machine at hand (or from a fitted cost model) and saves them in
+data/. The format is plain JSON:
+
+    {"machine": "...", "source": "measured 2026-11-26",
+     "collectives": {"allreduce": {"4": [[2048, "recursive_doubling"], [null, "rabenseifner"]]}}}
+
+reads: with 4 ranks, up to 2048 bytes use recursive doubling, above that Rabenseifner. A rank count
+missing from the table uses the nearest one present (on a log scale); a collective missing from it
+falls back to MPICH's rules (auto.py).
+
+    table = table_from_rows(rows)              # rows from tplab.bench.sweep
+    save_table(table, "data/tuning_mymachine.json")
+    use_table("data/tuning_mymachine.json")    # on every rank (cluster.run(use_table, path) in a notebook)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+NOT_CANDIDATES = {"builtin", "auto"}  # auto chooses among the hand-written algorithms: they are the subject
+
+_active: dict | None = None
+
+
+def table_from_rows(rows, machine: str = "", source: str = "measured") -> dict:
+    """The fastest hand-written algorithm for each (collective, ranks, size) of timing rows, merged into
+    size ranges. A range ends halfway (geometrically) between the last size one algorithm won and the
+    first size the next one won."""
+    best: dict[tuple, tuple] = {}
+    for r in rows:
+        if r["algorithm"] in NOT_CANDIDATES or int(r.get("wrong", 0)) > 0:
+            continue
+        key = (r["collective"], int(r["ranks"]), int(r["size"]))
+        if key not in best or float(r["time_us"]) < best[key][0]:
+            best[key] = (float(r["time_us"]), r["algorithm"])
+    winners: dict[tuple, list] = {}  # (collective, ranks) -> [(size, algorithm), ...] by size
+    for (collective, ranks, size), (_, algorithm) in sorted(best.items()):
+        winners.setdefault((collective, ranks), []).append((size, algorithm))
+    collectives: dict = {}
+    for (collective, ranks), points in winners.items():
+        ranges = []
+        for (size, algorithm), following in zip(points, points[1:] + [None]):
+            if following is None:
+                ranges.append([None, algorithm])  # the last winner holds for anything larger
+            elif following[1] != algorithm:
+                ranges.append([int(math.sqrt(size * following[0])), algorithm])
+        collectives.setdefault(collective, {})[str(ranks)] = ranges
+    return {"machine": machine, "source": source, "collectives": collectives}
+
+
+def crossovers(table: dict, collective: str, ranks: int) -> list[tuple]:
+    """[(up_to_bytes or None, algorithm), ...] for one collective and rank count."""
+    return [tuple(r) for r in table["collectives"].get(collective, {}).get(str(ranks), [])]
+
+
+def lookup(table: dict, collective: str, nbytes: int, p: int) -> str | None:
+    by_ranks = table.get("collectives", {}).get(collective)
+    if not by_ranks:
+        return None
+    nearest = min(by_ranks, key=lambda k: (abs(math.log2(int(k)) - math.log2(max(p, 1))), int(k)))
+    for up_to, algorithm in by_ranks[nearest]:
+        if up_to is None or nbytes <= up_to:
+            return algorithm
+    return by_ranks[nearest][-1][1]
+
+
+def save_table(table: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
+def load_table(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def use_table(table: dict | str | None) -> None:
+    """Make ``algorithm="auto"`` follow this table (a dict or a JSON path) on this rank; None: MPICH's
+    rules again. Call it on every rank: ranks that chose differently would deadlock."""
+    global _active
+    _active = load_table(table) if isinstance(table, (str, os.PathLike)) else table
+
+
+def active_table() -> dict | None:
+    return _active
+
+
+if os.environ.get("TPLAB_TUNING"):  # the same file for every rank of a job
+    use_table(os.environ["TPLAB_TUNING"])
