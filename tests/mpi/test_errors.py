@@ -85,3 +85,14 @@ def test_allgather_accepts_different_lengths():
     """Not an error: allgather is an allgatherv."""
     out = tplab.allgather(np.full(COMM.rank, COMM.rank), C)
     agree(out.tolist() == [r for r in range(P) for _ in range(r)], f"{out}")
+
+
+@multi_rank  # with one rank auto never consults a table
+def test_tuning_table_naming_an_unknown_algorithm():
+    from tplab.collectives import tuning
+
+    tuning.use_table({"collectives": {"allreduce": {"4": [[None, "bogus"]]}}})
+    try:
+        raises_everywhere(lambda: tplab.allreduce(np.ones(4), C), "tuning table in use chose 'bogus'")
+    finally:
+        tuning.use_table(None)

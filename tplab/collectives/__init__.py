@@ -10,7 +10,8 @@
 
 Each takes numpy arrays (any shape, contiguous or not) or CPU torch tensors, leaves ``x`` unchanged and
 returns a new array of the same kind. ``check=False`` skips the cross-rank argument agreement (for
-benchmarks). The algorithms themselves are in ring.py, recursive.py, binomial.py and naive.py.
+benchmarks). The algorithms themselves are in ring.py, recursive.py, binomial.py, naive.py and
+hierarchical.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from tplab.collectives import auto
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce, tree_allreduce
 from tplab.collectives.checks import CollectiveArgumentError, agree_on_arguments
+from tplab.collectives.hierarchical import hierarchical_allreduce
 from tplab.collectives.naive import naive_allreduce
 from tplab.collectives.recursive import (
     rabenseifner_allreduce,
@@ -32,7 +34,7 @@ from tplab.blocks import block_bounds, offsets
 from tplab.ops import get_op
 
 ALGORITHMS = {
-    "allreduce": ("naive", "ring", "recursive_doubling", "rabenseifner", "tree", "builtin", "auto"),
+    "allreduce": ("naive", "ring", "recursive_doubling", "rabenseifner", "tree", "hierarchical", "builtin", "auto"),
     "reduce_scatter": ("ring", "recursive_halving", "builtin", "auto"),
     "allgather": ("ring", "recursive_doubling", "builtin", "auto"),
     "broadcast": ("binomial", "builtin", "auto"),
@@ -68,27 +70,40 @@ def _world_if_none(comm):
 
 
 # ---- the collectives -------------------------------------------------------------------------------------------
+# the hand-written allreduces, each called as f(buf, comm, op) on a flat working copy, in place
+ALLREDUCE_BY_NAME = {
+    "naive": naive_allreduce,
+    "ring": lambda buf, comm, op: ring_allreduce(buf, comm, op, block_bounds(buf.size, comm.size)),
+    "recursive_doubling": recursive_doubling_allreduce,
+    "rabenseifner": rabenseifner_allreduce,
+    "tree": tree_allreduce,
+    "hierarchical": hierarchical_allreduce,
+}
+
+
+def _resolve(collective, algorithm, nbytes, count, p):
+    """The algorithm to run: ``auto`` asks auto.py (a tuning table may name anything, so check it)."""
+    if algorithm != "auto":
+        return algorithm
+    chosen = auto.choose(collective, nbytes, count, p)
+    if chosen not in ALGORITHMS[collective] or chosen == "auto":
+        raise CollectiveArgumentError(
+            f"{collective}: the tuning table in use chose {chosen!r}, which is not one of "
+            f"{list(ALGORITHMS[collective])}: fix the table or tuning.use_table(None)")
+    return chosen
+
+
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
     arr, back = _as_numpy(x)
     agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"],
                        op=op, check=check)
-    if algorithm == "auto":
-        algorithm = auto.choose("allreduce", arr.nbytes, arr.size, comm.size)
+    algorithm = _resolve("allreduce", algorithm, arr.nbytes, arr.size, comm.size)
     if algorithm == "builtin":
         return back(comm.builtin_allreduce(arr, op).reshape(arr.shape))
-    buf, reduce_op = _working_copy(arr), get_op(op)
+    buf = _working_copy(arr)
     if buf.size:
-        if algorithm == "naive":
-            naive_allreduce(buf, comm, reduce_op)
-        elif algorithm == "ring":
-            ring_allreduce(buf, comm, reduce_op, block_bounds(buf.size, comm.size))
-        elif algorithm == "recursive_doubling":
-            recursive_doubling_allreduce(buf, comm, reduce_op)
-        elif algorithm == "rabenseifner":
-            rabenseifner_allreduce(buf, comm, reduce_op)
-        elif algorithm == "tree":
-            tree_allreduce(buf, comm, reduce_op)
+        ALLREDUCE_BY_NAME[algorithm](buf, comm, get_op(op))
     return back(buf.reshape(arr.shape))
 
 
@@ -97,8 +112,7 @@ def reduce_scatter(x, comm=None, op="sum", algorithm="auto", *, check=True):
     arr, back = _as_numpy(x)
     agree_on_arguments(comm, "reduce_scatter", arr, algorithm=algorithm,
                        algorithms=ALGORITHMS["reduce_scatter"], op=op, check=check)
-    if algorithm == "auto":
-        algorithm = auto.choose("reduce_scatter", arr.nbytes, arr.size, comm.size)
+    algorithm = _resolve("reduce_scatter", algorithm, arr.nbytes, arr.size, comm.size)
     if algorithm == "builtin":
         return back(comm.builtin_reduce_scatter(arr, op))
     buf, reduce_op = _working_copy(arr), get_op(op)
@@ -116,8 +130,7 @@ def allgather(x, comm=None, algorithm="auto", *, check=True):
     mine = _working_copy(arr)
     # every rank must know every contribution's length to place it (allgatherv): metadata, not counted
     bounds = offsets(comm.allgather_object(mine.size))
-    if algorithm == "auto":
-        algorithm = auto.choose("allgather", bounds[-1] * mine.itemsize, bounds[-1], comm.size)
+    algorithm = _resolve("allgather", algorithm, bounds[-1] * mine.itemsize, bounds[-1], comm.size)
     if algorithm == "builtin":
         return back(comm.builtin_allgather(arr))
     if algorithm == "ring":

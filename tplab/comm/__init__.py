@@ -1,6 +1,8 @@
-"""tplab.comm — the wire. ``world()`` is the usual entry point; ``MPIComm(c)`` wraps any mpi4py communicator."""
+"""tplab.comm — the wire. ``world()`` is the usual entry point; ``MPIComm(c)`` wraps any mpi4py communicator;
+``EmulatedNetwork(comm, ranks_per_node)`` makes messages between emulated nodes pay a network's price."""
 
 from tplab.comm.base import Communicator, CommTimeoutError, Request
+from tplab.comm.emulated import EmulatedNetwork
 from tplab.comm.mpi import MPIComm
 
 _world = None
@@ -17,4 +19,4 @@ def world(timeout: float | None = None) -> MPIComm:
     return _world
 
 
-__all__ = ["Communicator", "CommTimeoutError", "MPIComm", "Request", "world"]
+__all__ = ["Communicator", "CommTimeoutError", "EmulatedNetwork", "MPIComm", "Request", "world"]

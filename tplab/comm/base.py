@@ -6,6 +6,7 @@ A Communicator is a group of ``size`` processes; this process is ``rank``. The a
     point-to-point      send, recv, sendrecv, isend, irecv (+ Request.wait), barrier
     bookkeeping         bytes_sent, messages_sent, reset_counters()   (what the algorithm really moved)
     metadata            allgather_object (pickled, uncounted: argument checks, not data)
+    topology            node_of(rank), split_by_node() -> (ranks on my node, my peers on other nodes)
     the library's own   builtin_allreduce, builtin_reduce_scatter, builtin_allgather,
                         builtin_broadcast, builtin_reduce             (for comparison and "builtin")
 
@@ -14,15 +15,30 @@ Communicator and fills in the underscored methods. The counters live here, so ev
 the same way and the algorithms never change when the wire does.
 
 Buffers are 1-D contiguous arrays. ``recv`` fills the buffer it is given: algorithms own their memory.
+
+Nodes: ranks on one machine talk through shared memory, ranks on different machines through the
+network, often ten times slower. ``node_ids()`` says which node every rank is on (nodes numbered 0, 1,
+... in order of their lowest rank). With ``ranks_per_node = q`` set, node = rank // q (emulated nodes,
+to try hierarchical algorithms on one machine); otherwise the transport detects the real nodes, which
+is collective the first time (call it on every rank). A sub-communicator made by ``split`` keeps the
+node of each of its ranks in the parent: its own rank // q would be wrong, so it stores the list.
 """
 
 from __future__ import annotations
 
 import abc
+from collections import Counter
 
 
 class CommTimeoutError(RuntimeError):
     """A blocking operation did not complete in time: almost always a deadlock (a peer that never sends)."""
+
+
+def checked_ranks_per_node(value):
+    """``value`` if it is None or a positive int; a clear error otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"ranks_per_node must be a positive integer or None, not {value!r}")
+    return value
 
 
 class Request:
@@ -49,6 +65,11 @@ class Communicator(abc.ABC):
 
     rank: int
     size: int
+    # node = rank // ranks_per_node when set; None: detect the real nodes (or an irregular layout)
+    ranks_per_node: int | None = None
+    _node_ids: list[int] | None = None  # node of every rank, once known
+    _node_split = None  # (local, cross), made by the first split_by_node()
+    _counts_for = None  # (parent, parent rank of each of my ranks): a node split counts for its parent
 
     def __init__(self):
         self.bytes_sent = 0
@@ -59,13 +80,16 @@ class Communicator(abc.ABC):
         self.bytes_sent = 0
         self.messages_sent = 0
 
-    def _count(self, buf) -> None:
+    def _count(self, buf, dest: int) -> None:
         self.bytes_sent += int(buf.nbytes)
         self.messages_sent += 1
+        if self._counts_for is not None:  # sent by a collective of the parent, through a node split
+            parent, parent_ranks = self._counts_for
+            parent._count(buf, parent_ranks[dest])
 
     # ---- point-to-point ------------------------------------------------------------------------------
     def send(self, buf, dest: int, tag: int = 0) -> None:
-        self._count(buf)
+        self._count(buf, dest)
         self._send(buf, dest, tag)
 
     def recv(self, buf, source: int, tag: int = 0):
@@ -76,12 +100,12 @@ class Communicator(abc.ABC):
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``; deadlock-free in pairs
         and rings. Returns ``recvbuf``."""
-        self._count(sendbuf)
+        self._count(sendbuf, dest)
         self._sendrecv(sendbuf, dest, recvbuf, source, tag)
         return recvbuf
 
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
-        self._count(buf)
+        self._count(buf, dest)
         return Request(self, self._isend(buf, dest, tag), buf, f"send to rank {dest} (tag {tag})")
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
@@ -90,6 +114,59 @@ class Communicator(abc.ABC):
     @staticmethod
     def waitall(requests) -> list:
         return [r.wait() for r in requests]
+
+    # ---- nodes ---------------------------------------------------------------------------------------------
+    def node_ids(self) -> list[int]:
+        """The node of every rank (collective the first time if the real nodes must be detected)."""
+        if self._node_ids is None:
+            if self.ranks_per_node is not None:
+                self._node_ids = [r // self.ranks_per_node for r in range(self.size)]
+            else:
+                self._adopt_node_ids(self._detect_node_ids())
+        return self._node_ids
+
+    def node_of(self, rank: int) -> int:
+        return self.node_ids()[rank]
+
+    def split_by_node(self) -> tuple["Communicator", "Communicator"]:
+        """(local, cross): ``local`` holds the ranks on my node (by rank); ``cross`` the ranks with my
+        local index on every node (by node). Made once and kept, as NCCL builds its rings once at init.
+        What is sent on them is also counted on this communicator (hierarchical algorithms send on them
+        on this communicator's behalf). Collective."""
+        if self._node_split is None:
+            nodes = self.node_ids()
+            node = nodes[self.rank]
+            local_index = nodes[: self.rank].count(node)  # how many ranks of my node come before me
+            local = self.split(color=node, key=self.rank)
+            cross = self.split(color=local_index, key=node)
+            for sub in (local, cross):
+                sub._counts_for = (self, sub.allgather_object(self.rank))
+            self._node_split = (local, cross)
+        return self._node_split
+
+    def _detect_node_ids(self) -> list[int]:
+        """Transports that can see the machines override this; a generic one knows of one node only."""
+        return [0] * self.size
+
+    def _adopt_node_ids(self, ids) -> None:
+        """Take a given layout: nodes renumbered 0, 1, ... by their lowest rank; ``ranks_per_node``
+        set where the layout is node = rank // q, None where it is not (uneven nodes, interleaved)."""
+        renumber: dict = {}
+        self._node_ids = [renumber.setdefault(n, len(renumber)) for n in ids]
+        q = Counter(self._node_ids)[0] if self._node_ids else None
+        self.ranks_per_node = q if self._node_ids == [r // q for r in range(self.size)] else None
+
+    def _inherit_nodes(self, sub: "Communicator", parent_ranks=None) -> "Communicator":
+        """Give ``sub`` (a split or duplicate of this communicator) the nodes its ranks have here.
+        ``parent_ranks[i]`` is the rank here of sub's rank i (found with one allgather if not given)."""
+        if parent_ranks is None:
+            parent_ranks = sub.allgather_object(self.rank)
+        sub._adopt_node_ids([self.node_of(r) for r in parent_ranks])
+        return sub
+
+    def split(self, color: int, key: int | None = None) -> "Communicator":
+        """Sub-communicators of the ranks with the same ``color``, ordered by ``key`` (default: rank)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make sub-communicators")
 
     # ---- hooks a transport implements ----------------------------------------------------------------
     @abc.abstractmethod

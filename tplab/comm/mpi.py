@@ -7,6 +7,10 @@ numpy array's memory straight to MPI: no pickling, no copies.
 blocking call becomes a nonblocking one polled until a deadline, and raises ``CommTimeoutError`` naming
 the operation that never completed. That turns a deadlock into an error message, which is what the
 exercise checker and the tests want; it costs a little latency, so benchmarks leave it off.
+
+``ranks_per_node``: ``None`` finds the real nodes (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the
+ranks that can share memory); a number q pretends that every q consecutive ranks form a node, which is
+how one machine tries out a multi-node algorithm.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import time
 import numpy as np
 
 from tplab.blocks import block_counts, offsets
-from tplab.comm.base import Communicator, CommTimeoutError
+from tplab.comm.base import Communicator, CommTimeoutError, checked_ranks_per_node
 from tplab.ops import get_op
 
 
 class MPIComm(Communicator):
-    def __init__(self, mpi_comm=None, timeout: float | None = None):
+    def __init__(self, mpi_comm=None, timeout: float | None = None, ranks_per_node: int | None = None):
         super().__init__()
         from mpi4py import MPI
 
@@ -30,13 +34,25 @@ class MPIComm(Communicator):
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.timeout = timeout
+        self.ranks_per_node = checked_ranks_per_node(ranks_per_node)
 
     def with_timeout(self, timeout: float | None) -> "MPIComm":
         """A Communicator on a duplicate of this one (so stray messages cannot mix), with a deadline."""
-        return MPIComm(self.mpi.Dup(), timeout=timeout)
+        twin = MPIComm(self.mpi.Dup(), timeout=timeout, ranks_per_node=self.ranks_per_node)
+        if self.ranks_per_node is None and self._node_ids is not None:  # known nodes: no need to detect
+            self._inherit_nodes(twin, range(self.size))
+        return twin
 
     def split(self, color: int, key: int | None = None) -> "MPIComm":
-        return MPIComm(self.mpi.Split(color, self.rank if key is None else key), timeout=self.timeout)
+        sub = MPIComm(self.mpi.Split(color, self.rank if key is None else key), timeout=self.timeout)
+        return self._inherit_nodes(sub)
+
+    def _detect_node_ids(self) -> list[int]:
+        # The ranks that can share memory are on one node; name each node by its lowest rank.
+        same_node = self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        lowest_rank_on_my_node = same_node.bcast(self.rank, root=0)
+        same_node.Free()
+        return self.mpi.allgather(lowest_rank_on_my_node)
 
     # ---- point-to-point --------------------------------------------------------------------------------
     def _send(self, buf, dest, tag):
