@@ -14,41 +14,23 @@ That costs one extra message of the full vector each way (the "+2" terms of REFE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 
 def largest_power_of_two_at_most(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 
 
-@dataclass(frozen=True)
 class PowerOfTwoFold:
-    size: int  # p, the real rank count
-    rank: int  # this process's real rank
+    """Where this rank stands in the fold: computed once per call (the loops ask often)."""
 
-    @property
-    def pof2(self) -> int:
-        return largest_power_of_two_at_most(self.size)
-
-    @property
-    def extra(self) -> int:  # r = p - 2**floor(lg p)
-        return self.size - self.pof2
-
-    @property
-    def sits_out(self) -> bool:
-        """Even ranks among the first 2r hand their data over and wait for the result."""
-        return self.rank < 2 * self.extra and self.rank % 2 == 0
-
-    @property
-    def absorbs_neighbour(self) -> bool:
-        """Odd ranks among the first 2r take their even neighbour's data and stand for both."""
-        return self.rank < 2 * self.extra and self.rank % 2 == 1
-
-    @property
-    def newrank(self) -> int | None:
-        if self.sits_out:
-            return None
-        return self.rank // 2 if self.rank < 2 * self.extra else self.rank - self.extra
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank  # p, the real rank count; this process's real rank
+        self.pof2 = largest_power_of_two_at_most(size)
+        self.extra = size - self.pof2  # r = p - 2**floor(lg p)
+        folded = rank < 2 * self.extra
+        self.sits_out = folded and rank % 2 == 0  # hands its data over and waits for the result
+        self.absorbs_neighbour = folded and rank % 2 == 1  # takes its even neighbour's data, stands for both
+        self.newrank = None if self.sits_out else (rank // 2 if folded else rank - self.extra)
 
     def real_rank(self, newrank: int) -> int:
         return 2 * newrank + 1 if newrank < self.extra else newrank + self.extra

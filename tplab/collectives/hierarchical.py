@@ -44,7 +44,7 @@ from tplab.collectives.snapshots import snapshot
 def phase(name: str, after_round: int):
     """Snapshots taken by a sub-algorithm (which counts its rounds from 0, on a sub-communicator) become
     "<name>: <label>" at rounds after ``after_round``; its own "start" is dropped (the picture has one)."""
-    if snapshots._active is None:  # not recording: nothing to relabel
+    if not snapshots.is_recording():  # not recording: nothing to relabel
         yield
         return
     with snapshots.recording() as steps:

@@ -25,21 +25,29 @@ from tplab.collectives.fold import PowerOfTwoFold
 from tplab.collectives.snapshots import snapshot
 
 
-def combine_in_rank_order(op, mine, theirs, my_rank, their_rank) -> None:
-    """mine = (lower rank's data) op (higher rank's data): both partners do the very same arithmetic."""
+def combine_in_rank_order(op, mine, theirs, my_rank, their_rank, out=None) -> None:
+    """out (default: mine) = (lower rank's data) op (higher rank's data): both partners do the very
+    same arithmetic."""
+    out = mine if out is None else out
     if their_rank < my_rank:
-        op.combine(theirs, mine, out=mine)
+        op.combine(theirs, mine, out=out)
     else:
-        op.combine(mine, theirs, out=mine)
+        op.combine(mine, theirs, out=out)
 
 
-def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold) -> None:
+def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold, source=None):
+    """Returns the array that now holds this rank's data: ``source`` (default ``buf``), or ``buf`` for
+    a rank that absorbed its neighbour's vector into it (None for a rank that sat out)."""
+    source = buf if source is None else source
     if fold.sits_out:
-        comm.send(buf, fold.rank + 1)
-    elif fold.absorbs_neighbour:
+        comm.send(source, fold.rank + 1)
+        return None
+    if fold.absorbs_neighbour:
         theirs = comm.recv(np.empty_like(buf), fold.rank - 1)
-        combine_in_rank_order(op, buf, theirs, fold.rank, fold.rank - 1)
+        combine_in_rank_order(op, source, theirs, fold.rank, fold.rank - 1, out=buf)
         snapshot("fold in", buf, at_round=1)
+        return buf
+    return source
 
 
 def fold_out(buf, comm, fold: PowerOfTwoFold, at_round) -> None:
@@ -51,10 +59,13 @@ def fold_out(buf, comm, fold: PowerOfTwoFold, at_round) -> None:
         snapshot("fold out", buf, at_round=at_round)
 
 
-def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_round=2) -> None:
-    """Recursive halving over the 2**k active ranks: afterwards this rank holds the full reduction of
-    the elements ``span(newrank, newrank + 1)``."""
+def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_round=2, source=None) -> None:
+    """Recursive halving over the 2**k active ranks: afterwards ``buf`` holds the full reduction of the
+    elements ``span(newrank, newrank + 1)``. The first step reads this rank's data from ``source``
+    (default ``buf``); every later step reads what the step before wrote to ``buf``."""
     n, lo, hi = fold.newrank, 0, fold.pof2
+    mine = buf if source is None else source
+    scratch = np.empty(buf.size, dtype=buf.dtype)
     mask, step = fold.pof2 // 2, 0
     while mask:
         partner = fold.real_rank(n ^ mask)
@@ -62,9 +73,10 @@ def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_roun
         keep, give = ((lo, mid), (mid, hi)) if n < mid else ((mid, hi), (lo, mid))
         k0, k1 = span(*keep)
         g0, g1 = span(*give)
-        theirs = np.empty(k1 - k0, dtype=buf.dtype)
-        comm.sendrecv(buf[g0:g1], partner, theirs, partner)
-        combine_in_rank_order(op, buf[k0:k1], theirs, comm.rank, partner)
+        theirs = scratch[: k1 - k0]
+        comm.sendrecv(mine[g0:g1], partner, theirs, partner)
+        combine_in_rank_order(op, mine[k0:k1], theirs, comm.rank, partner, out=buf[k0:k1])
+        mine = buf
         lo, hi = keep
         mask //= 2
         snapshot(f"halving step (distance {hi - lo})", buf, at_round=first_round + step)
@@ -102,7 +114,8 @@ def recursive_doubling_allreduce(buf, comm, op):
     return buf
 
 
-def rabenseifner_allreduce(buf, comm, op):
+def rabenseifner_allreduce(buf, comm, op, source=None):
+    """``source``: this rank's read-only input (default: ``buf``, in place); no copy of it is made."""
     fold = PowerOfTwoFold(comm.size, comm.rank)
     bounds = block_bounds(buf.size, fold.pof2)  # one block per active rank
 
@@ -110,10 +123,10 @@ def rabenseifner_allreduce(buf, comm, op):
         return bounds[a], bounds[b]
 
     lg = fold.pof2.bit_length() - 1
-    snapshot("start", buf, at_round=0)
-    fold_in_by_reducing(buf, comm, op, fold)
+    snapshot("start", buf if source is None else source, at_round=0)
+    mine = fold_in_by_reducing(buf, comm, op, fold, source)
     if not fold.sits_out:
-        halving_reduce_scatter(buf, comm, op, fold, span, first_round=2)
+        halving_reduce_scatter(buf, comm, op, fold, span, first_round=2, source=mine)
         doubling_allgather(buf, comm, fold, span, first_round=2 + lg)
     fold_out(buf, comm, fold, at_round=2 + 2 * lg)
     return buf

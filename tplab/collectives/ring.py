@@ -11,6 +11,11 @@ Bandwidth-optimal (no algorithm can send less than 2(p-1)/p n per rank), but the
 make it slow for small messages on many ranks.
 
 Blocks: the flat vector is cut into p blocks as ``numpy.array_split`` would (``bounds[i]:bounds[i+1]``).
+
+No copy of the input: with ``source`` given (the caller's read-only vector), the first send of a block
+reads it from ``source`` and the first reduction into a block writes ``buf``, so every block of ``buf``
+is written before it is read. (Copying the input first would cost a pass over n bytes, which at
+64 KiB - 1 MiB is a good part of an allreduce.)
 """
 
 from __future__ import annotations
@@ -20,24 +25,27 @@ import numpy as np
 from tplab.collectives.snapshots import snapshot
 
 
-def ring_reduce_scatter_blocks(buf, comm, op, bounds) -> None:
-    """In place: afterwards block ``rank`` of ``buf`` holds the reduction of that block over all ranks.
-    (Other blocks hold partial sums: scratch.)"""
+def ring_reduce_scatter_blocks(buf, comm, op, bounds, source=None) -> None:
+    """Afterwards block ``rank`` of ``buf`` holds the reduction of that block over all ranks (other
+    blocks hold partial sums or nothing: scratch). This rank's contribution is read from ``source``
+    (default: ``buf`` itself, in place)."""
     p, r = comm.size, comm.rank
+    source = buf if source is None else source
     right, left = (r + 1) % p, (r - 1) % p
     incoming = np.empty(max(bounds[i + 1] - bounds[i] for i in range(p)), dtype=buf.dtype)
 
-    def block(i):
+    def block(array, i):
         i %= p
-        return buf[bounds[i] : bounds[i + 1]]
+        return array[bounds[i] : bounds[i + 1]]
 
     for step in range(p - 1):
         # Block b travels b+1 -> b+2 -> ... -> b, picking up one contribution per hop, so it
         # arrives complete at rank b after p-1 hops.
-        send, recv = block(r - step - 1), block(r - step - 2)
-        got = incoming[: recv.size]
+        send = block(source if step == 0 else buf, r - step - 1)  # (at step 0: my own contribution)
+        got = incoming[: bounds[(r - step - 2) % p + 1] - bounds[(r - step - 2) % p]]
         comm.sendrecv(send, right, got, left)
-        op.accumulate(recv, got)
+        # partial sum so far (got) op my contribution -> buf
+        op.combine(got, block(source, r - step - 2), out=block(buf, r - step - 2))
         snapshot(f"reduce-scatter step {step + 1}", buf, at_round=step + 1)
 
 
@@ -56,9 +64,9 @@ def ring_allgather_blocks(buf, comm, bounds, first_round=1) -> None:
         snapshot(f"allgather step {step + 1}", buf, at_round=first_round + step)
 
 
-def ring_allreduce(buf, comm, op, bounds):
-    snapshot("start", buf, at_round=0)
-    ring_reduce_scatter_blocks(buf, comm, op, bounds)
+def ring_allreduce(buf, comm, op, bounds, source=None):
+    snapshot("start", buf if source is None else source, at_round=0)
+    ring_reduce_scatter_blocks(buf, comm, op, bounds, source)
     ring_allgather_blocks(buf, comm, bounds, first_round=comm.size)
     return buf
 

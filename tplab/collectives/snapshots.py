@@ -20,6 +20,10 @@ import contextlib
 _active: list | None = None
 
 
+def is_recording() -> bool:
+    return _active is not None
+
+
 def snapshot(label: str, buf, at_round: float) -> None:
     if _active is not None:
         _active.append((label, buf.copy(), at_round))
