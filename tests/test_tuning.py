@@ -58,3 +58,10 @@ def test_auto_follows_the_table_in_use_then_mpich_rules(tmp_path):
 @pytest.mark.parametrize("p", [2, 3, 5, 8])
 def test_mpich_rule_without_table(p):
     assert auto.choose("allreduce", 8, 2, p) == "recursive_doubling"
+
+
+def test_near_ties_do_not_flip_the_winner():
+    noisy = rows(4, {8: {"tree": 10.0, "naive": 10.3}, 64: {"tree": 10.2, "naive": 10.0},
+                     512: {"tree": 10.1, "naive": 10.4}, 4096: {"tree": 30.0, "naive": 20.0}})
+    table = tuning.table_from_rows(noisy)
+    assert tuning.crossovers(table, "allreduce", 4) == [(int((512 * 4096) ** 0.5), "tree"), (None, "naive")]

@@ -166,7 +166,7 @@ def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20,
     (same collective, algorithm, ranks, size, type, redop, mode) are not measured again, so an
     interrupted sweep resumes where it stopped. ``extra``: columns added to every row (say, machine).
     ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured)."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # (tqdm.auto would look for Jupyter widgets on the engines)
 
     comm = comm or world()
     done = _done_points(csv_path, comm)
@@ -187,4 +187,26 @@ def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20,
         if csv_path and comm.rank == 0:
             _append(csv_path, row)
         rows.append(row)
+    return rows
+
+
+def sweep_on_emulated_network(collective, algorithms, sizes, *, ranks_per_node, latency, bandwidth,
+                              **kwargs) -> list:
+    """``sweep`` on an EmulatedNetwork over this job's ranks (``ranks_per_node`` consecutive ranks per
+    emulated node; messages between nodes pay ``latency`` + bytes / ``bandwidth``). Each row also gets
+    the bytes one call sent across the network from the busiest rank, and the network's description.
+    Validation compares with the MPI built-in on the real communicator underneath."""
+    from tplab.comm import EmulatedNetwork
+
+    base = kwargs.pop("comm", None) or world()
+    net = EmulatedNetwork(base, ranks_per_node, latency=latency, bandwidth=bandwidth)
+    rows = sweep(collective, algorithms, sizes, comm=net, **kwargs)
+    description = f"{base.size // ranks_per_node} nodes x {ranks_per_node} ranks, {latency * 1e6:g} us, " \
+                  f"{bandwidth / 1e9:g} GB/s between nodes"
+    for row in rows:
+        x = np.ones(row["count"], dtype=row["type"])
+        net.reset_counters()
+        _call(collective, x, net, row["algorithm"], row["redop"])
+        row["inter_node_bytes"] = max(net.allgather_object(net.inter_node_bytes))
+        row["network"] = description
     return rows

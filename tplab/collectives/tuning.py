@@ -27,20 +27,24 @@ NOT_CANDIDATES = {"builtin", "auto"}  # auto chooses among the hand-written algo
 _active: dict | None = None
 
 
-def table_from_rows(rows, machine: str = "", source: str = "measured") -> dict:
+def table_from_rows(rows, machine: str = "", source: str = "measured", tolerance: float = 0.05) -> dict:
     """The fastest hand-written algorithm for each (collective, ranks, size) of timing rows, merged into
     size ranges. A range ends halfway (geometrically) between the last size one algorithm won and the
-    first size the next one won."""
-    best: dict[tuple, tuple] = {}
+    first size the next one won. Timings are noisy: going up in size, the previous winner keeps a size
+    unless the fastest beats it by more than ``tolerance`` (5%), so near-ties do not flip back and forth."""
+    times: dict[tuple, dict] = {}  # (collective, ranks, size) -> {algorithm: time}
     for r in rows:
         if r["algorithm"] in NOT_CANDIDATES or int(r.get("wrong", 0)) > 0:
             continue
-        key = (r["collective"], int(r["ranks"]), int(r["size"]))
-        if key not in best or float(r["time_us"]) < best[key][0]:
-            best[key] = (float(r["time_us"]), r["algorithm"])
+        times.setdefault((r["collective"], int(r["ranks"]), int(r["size"])), {})[r["algorithm"]] = float(r["time_us"])
     winners: dict[tuple, list] = {}  # (collective, ranks) -> [(size, algorithm), ...] by size
-    for (collective, ranks, size), (_, algorithm) in sorted(best.items()):
-        winners.setdefault((collective, ranks), []).append((size, algorithm))
+    for (collective, ranks, size), by_algorithm in sorted(times.items()):
+        points = winners.setdefault((collective, ranks), [])
+        fastest = min(by_algorithm, key=by_algorithm.get)
+        previous = points[-1][1] if points else None
+        if previous in by_algorithm and by_algorithm[previous] <= (1 + tolerance) * by_algorithm[fastest]:
+            fastest = previous
+        points.append((size, fastest))
     collectives: dict = {}
     for (collective, ranks), points in winners.items():
         ranges = []
