@@ -1,0 +1,56 @@
+"""tplab.cost — what communication costs, by formula, next to what it costs by measurement.
+
+    formulas.py        Machine(alpha, beta, gamma); predict(collective, algorithm, p, n, machine) for every
+                       algorithm tplab has, non-powers of two folded as tplab folds them; formula_text()
+    two_level.py       TwoLevelMachine(intra, inter, ranks_per_node): a step lasts as long as its slowest
+                       link; the hierarchical allreduce
+    traffic.py         traffic(collective, algorithm, p, n): messages and bytes, busiest rank and total
+                       (checked exactly against the Communicator's counters in tests/mpi/test_traffic.py)
+    fit.py             fit_on(comm): α, β, γ (and tplab's entry cost) measured on the machine at hand;
+                       compare(rows, machine): predicted next to measured
+    tensor_parallel.py what a transformer layer sends under TP, and the comm/compute ratio
+
+n is nccl-tests' size S in bytes: allreduce, bytes per rank; reduce_scatter, the full input vector;
+allgather, the gathered total; broadcast and reduce, the message. p = ranks; times in seconds.
+
+    m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 20e9)
+    predict("allreduce", "ring", 8, 1 << 20, m)        # seconds
+    formula_text("allreduce", "ring")                  # '2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ'
+"""
+
+from tplab.cost.fit import (
+    compare,
+    fit_machine,
+    fit_on,
+    fit_reduction,
+    fit_step,
+    measure_entry,
+    measure_exchange,
+    measure_reduction,
+)
+from tplab.cost.formulas import FORMULAS, CriticalPath, Machine, critical_path, formula_text, predict
+from tplab.cost.tensor_parallel import layer_model, tensor_parallel_allreduce_cost
+from tplab.cost.traffic import allreduce_traffic, traffic
+from tplab.cost.two_level import TwoLevelMachine
+
+__all__ = [
+    "FORMULAS",
+    "CriticalPath",
+    "Machine",
+    "TwoLevelMachine",
+    "allreduce_traffic",
+    "compare",
+    "critical_path",
+    "fit_machine",
+    "fit_on",
+    "fit_reduction",
+    "fit_step",
+    "formula_text",
+    "layer_model",
+    "measure_entry",
+    "measure_exchange",
+    "measure_reduction",
+    "predict",
+    "tensor_parallel_allreduce_cost",
+    "traffic",
+]

@@ -1,0 +1,245 @@
+"""Fitting α, β, γ on the machine at hand, and holding the model against real timings.
+
+Two micro-benchmarks give the three numbers, and a third what tplab's Python adds:
+
+    measure_exchange    all ranks pair up (r <-> r XOR 1) and ``sendrecv`` n bytes at once, exactly like
+                        one step of an algorithm; per-step time t(n) = α + n·β
+    measure_reduction   a local ``np.add(a, b, out=a)`` on n bytes; t(n) = c + n·γ
+    measure_entry       a tplab allreduce on a communicator of one rank: no step at all, so what is left
+                        is the cost of entering a collective (argument handling, the working copy of the
+                        input); t(n) = entry + n·entry_per_byte
+
+``fit_machine`` fits the lines in *relative* terms: it minimises Σ log²((α + nβ)/t), about the error in
+percent squared at each size, so the 8-byte points (a few µs) count as much as the 4-MiB ones (ms). A
+plain least-squares fit would let the big sizes set both parameters and could leave α negative.
+
+Measured through tplab's Python Communicator, α includes Python's per-message work (a few µs on top of
+MPI's own latency): that is intended, it is what tplab's algorithms pay per step too. The reduction's
+intercept c (the cost of calling into numpy, under a microsecond) is not part of the lecture model;
+``fit_reduction`` reports it for who wants to see it, and ``fit_machine`` leaves it out.
+
+What tplab's Python adds, and why the model has two optional terms for it (Machine.entry, Machine.step):
+measured on a 2-core machine, tplab's ring allreduce of 8 bytes on 2 ranks took ~12 µs where two steps
+of α ≈ 2.7 µs predict 5.4. About 4.5 µs are paid once per call before any message: the same call on one
+rank (no step at all) takes them, and for MiBs the fresh working copy of the input costs about as much
+as sending it. ``measure_entry`` measures that, so ``fit_on`` fits it. The rest, 0-2 µs per step, is
+the algorithm's own bookkeeping around each sendrecv (slicing blocks, calling numpy); it differs between
+algorithms and no micro-benchmark isolates it, so ``fit_on`` leaves ``step`` at 0 and ``fit_step``
+calibrates one number on the algorithms' own timings of tiny messages, if you want the model to match
+them (a calibration: it makes the model fit small messages, it does not explain them).
+
+    machine, exchange, reduction = fit_on(comm)                  # collective; same result on every rank
+    rows = tplab.bench.sweep("allreduce", ["ring", "rabenseifner"], sizes)
+    pandas.DataFrame(compare(rows, machine))                     # + predicted_us, error
+    calibrated = fit_step(rows, machine)                         # optional: + Python's work per step
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from tplab.cost.formulas import Machine, critical_path, predict
+
+DEFAULT_SIZES = [8 << (2 * i) for i in range(10)]  # 8 B, 32 B, ..., 2 MiB: 4x apart, every regime
+
+
+def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict]:
+    """One algorithm step, timed: every rank ``sendrecv``s ``size`` bytes with rank XOR 1 (an odd last
+    rank idles; a lone rank exchanges with itself: no wire, but all the per-message work). Per size: each
+    rank's median over ``iters`` barrier-started steps, then the slowest rank's (a step lasts as long as
+    its slowest pair). Collective; the same rows on every rank."""
+    partner = comm.rank ^ 1 if comm.size > 1 else comm.rank
+    paired = partner < comm.size
+    rows = []
+    for size in sizes:
+        send, recv = np.ones(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+        times = []
+        for i in range(warmup + iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            if paired:
+                comm.sendrecv(send, partner, recv, partner)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        mine = float(np.median(times)) if paired else 0.0
+        rows.append({"size": int(size), "time_s": max(comm.allgather_object(mine))})
+    return rows
+
+
+def measure_reduction(sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3) -> list[dict]:
+    """The local reduction an algorithm does after each receive: ``np.add(a, b, out=a)`` on ``size``
+    bytes (whole elements of ``dtype``, at least one); the median over ``iters``. Local, not collective."""
+    dt = np.dtype(dtype)
+    rows = []
+    for size in sizes:
+        count = max(int(size) // dt.itemsize, 1)
+        a, b = np.ones(count, dtype=dt), np.ones(count, dtype=dt)
+        times = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            np.add(a, b, out=a)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        rows.append({"size": count * dt.itemsize, "time_s": float(np.median(times))})
+    return rows
+
+
+def measure_entry(comm, sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3) -> list[dict]:
+    """What a collective costs before its first message: every rank runs tplab's ring allreduce on a
+    communicator of its own (one rank: no step), all at once; per size the slowest rank's median.
+    Collective (it splits ``comm``); the same rows on every rank."""
+    from tplab.collectives import allreduce
+
+    alone = comm.split(color=comm.rank)
+    dt = np.dtype(dtype)
+    rows = []
+    for size in sizes:
+        x = np.ones(max(int(size) // dt.itemsize, 1), dtype=dt)
+        times = []
+        for i in range(warmup + iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            allreduce(x, alone, algorithm="ring", check=False)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        rows.append({"size": x.nbytes, "time_s": max(comm.allgather_object(float(np.median(times))))})
+    if hasattr(alone, "mpi"):
+        alone.mpi.Free()
+    return rows
+
+
+# ---- least squares, in relative terms --------------------------------------------------------------------
+def fit_line(rows, iterations=100) -> tuple[float, float]:
+    """(intercept, slope) > 0 of t = intercept + size·slope, minimising Σ log²(predicted / measured):
+    for small misses that is the relative error squared, so every size counts alike.
+
+    Fitting the logarithms of intercept and slope (a = log intercept, b = log slope) keeps both
+    positive whatever the noise (a plain fit of noisy timings happily returns a negative latency).
+    The model is no longer linear in (a, b), so Levenberg-Marquardt takes small Gauss-Newton steps:
+    linearise the residuals, solve the damped normal equations, keep the step if it helped."""
+    n = np.array([r["size"] for r in rows], dtype=float)
+    t = np.array([r["time_s"] for r in rows], dtype=float)
+    n, t = n[t > 0], t[t > 0]
+    if len(t) == 0:
+        raise ValueError("no positive times to fit")
+
+    def residuals(a, b):
+        return np.log(np.exp(a) + n * np.exp(b)) - np.log(t)
+
+    # start: half the fastest time is latency, the largest size's time is all bandwidth
+    a, b = math.log(t.min() / 2), math.log(t[np.argmax(n)] / max(n.max(), 1.0))
+    cost, damping = float(np.sum(residuals(a, b) ** 2)), 1e-3
+    for _ in range(iterations):
+        f = np.exp(a) + n * np.exp(b)
+        J = np.column_stack([np.exp(a) / f, n * np.exp(b) / f])  # d residual / d(a, b)
+        r = residuals(a, b)
+        step = np.linalg.solve(J.T @ J + damping * np.eye(2), -J.T @ r)
+        a_new, b_new = np.clip([a + step[0], b + step[1]], -80.0, 5.0)  # e^-80 s: zero, but positive
+        new_cost = float(np.sum(residuals(a_new, b_new) ** 2))
+        if new_cost < cost:
+            converged = cost - new_cost < 1e-15 * max(cost, 1e-30)
+            a, b, cost, damping = a_new, b_new, new_cost, damping / 3
+            if converged:
+                break
+        else:
+            damping *= 10
+            if damping > 1e12:
+                break
+    return float(math.exp(a)), float(math.exp(b))
+
+
+def fit_reduction(reduction_rows) -> tuple[float, float]:
+    """(gamma, intercept): seconds per byte reduced, and the fixed cost of one call into numpy."""
+    intercept, gamma = fit_line(reduction_rows)
+    return gamma, intercept
+
+
+def fit_machine(exchange_rows, reduction_rows, name: str = "", entry_rows=None) -> Machine:
+    """The Machine whose α + n·β best matches the exchange times and n·γ the reduction times; with
+    ``entry_rows`` (measure_entry) also entry + n·entry_per_byte, else those stay 0 (the lecture model)."""
+    alpha, beta = fit_line(exchange_rows)
+    gamma, _ = fit_reduction(reduction_rows)
+    entry, entry_per_byte = fit_line(entry_rows) if entry_rows else (0.0, 0.0)
+    return Machine(alpha=alpha, beta=beta, gamma=gamma, name=name, entry=entry, entry_per_byte=entry_per_byte)
+
+
+def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=True):
+    """Measure and fit on the ranks of ``comm`` (collective). Returns (Machine, exchange rows,
+    reduction rows), identical on every rank: the reduction is timed on every rank at once (as in an
+    algorithm, where all ranks reduce together) and the slowest rank's time kept. ``entry=False`` skips
+    measure_entry and leaves the Machine's entry cost at 0: the pure alpha-beta-gamma model."""
+    sizes = DEFAULT_SIZES if sizes is None else list(sizes)
+    exchange = measure_exchange(comm, sizes, iters=iters)
+    comm.barrier()
+    mine = measure_reduction(sizes, iters=iters, dtype=dtype)
+    everyone = comm.allgather_object([r["time_s"] for r in mine])
+    reduction = [{"size": r["size"], "time_s": max(ts)} for r, ts in zip(mine, zip(*everyone))]
+    entry_rows = measure_entry(comm, sizes, iters=iters, dtype=dtype) if entry else None
+    machine = fit_machine(exchange, reduction, name=name or f"fitted on {comm.size} ranks", entry_rows=entry_rows)
+    return machine, exchange, reduction
+
+
+def fit_step(rows, machine: Machine, max_size: int = 1024) -> Machine:
+    """``machine`` with ``step`` set to the Python work per step that timing rows (tplab.bench) of messages
+    up to ``max_size`` bytes leave unexplained: the median over those rows of
+    (measured - predicted) / steps on the critical path, all algorithms pooled; at least 0."""
+    residuals = []
+    for row in rows.to_dict("records") if hasattr(rows, "to_dict") else rows:
+        if int(row["size"]) > max_size:
+            continue
+        try:
+            itemsize = np.dtype(row["type"]).itemsize if row.get("type") else 1
+            args = (row["collective"], _resolve(row), int(row["ranks"]), float(row["size"]))
+            steps = critical_path(*args, itemsize=itemsize).messages
+            predicted = predict(*args, replace(machine, step=0.0), itemsize=itemsize)
+        except ValueError:  # no formula (builtin)
+            continue
+        if steps:
+            residuals.append((float(row["time_us"]) * 1e-6 - predicted) / steps)
+    if not residuals:
+        raise ValueError(f"no rows of at most {max_size} bytes with a cost formula to calibrate on")
+    return replace(machine, step=max(float(np.median(residuals)), 0.0))
+
+
+# ---- the model against the stopwatch ----------------------------------------------------------------------
+def _resolve(row) -> str:
+    """The algorithm a row ran: "auto" is looked up the way tplab chose it (if it can be)."""
+    algorithm = row["algorithm"]
+    if algorithm == "auto":
+        try:
+            from tplab.collectives import auto
+
+            count = int(row.get("count", 0)) or int(row["size"])
+            algorithm = auto.choose(row["collective"], int(row["size"]), count, int(row["ranks"]))
+        except Exception:  # noqa: BLE001 - no model for it then, not an error
+            return "auto"
+    return algorithm
+
+
+def compare(rows, machine):
+    """Timing rows (tplab.bench: collective, algorithm, ranks, size, time_us; type if known) with two
+    more columns: ``predicted_us`` and ``error`` = (predicted - measured) / measured. Rows the model has
+    no formula for (builtin, say) get NaN. A pandas DataFrame in gives a DataFrame out."""
+    frame = None
+    if hasattr(rows, "to_dict") and hasattr(rows, "columns"):  # a DataFrame, without importing pandas
+        frame, rows = rows, rows.to_dict("records")
+    out = []
+    for row in rows:
+        itemsize = np.dtype(row["type"]).itemsize if row.get("type") else 1
+        try:
+            t = predict(row["collective"], _resolve(row), int(row["ranks"]), float(row["size"]), machine,
+                        itemsize=itemsize)
+        except ValueError:
+            t = math.nan
+        measured = float(row["time_us"]) * 1e-6
+        error = (t - measured) / measured if measured > 0 else math.nan
+        out.append({**row, "predicted_us": t * 1e6, "error": error})
+    if frame is not None:
+        import pandas as pd
+
+        return pd.DataFrame(out, columns=list(frame.columns) + ["predicted_us", "error"])
+    return out
