@@ -76,18 +76,18 @@ def _world_if_none(comm):
 
 # ---- the collectives -------------------------------------------------------------------------------------------
 # The hand-written allreduces, each called as f(buf, comm, op, source) with the result going to buf.
-# Ring and Rabenseifner read this rank's input from ``source`` on first touch, so the input is never
-# copied (at 64 KiB - 1 MiB that copy is a noticeable part of the time); the others work in place on a
-# copy (source is buf).
+# Ring, recursive doubling and Rabenseifner read this rank's input from ``source`` on first touch, so
+# the input is never copied (at 64 KiB - 1 MiB that copy is a noticeable part of the time); the others
+# work in place on a copy (source is buf).
 ALLREDUCE_BY_NAME = {
     "naive": lambda buf, comm, op, source: naive_allreduce(buf, comm, op),
     "ring": lambda buf, comm, op, source: ring_allreduce(buf, comm, op, block_bounds(buf.size, comm.size), source),
-    "recursive_doubling": lambda buf, comm, op, source: recursive_doubling_allreduce(buf, comm, op),
+    "recursive_doubling": lambda buf, comm, op, source: recursive_doubling_allreduce(buf, comm, op, source),
     "rabenseifner": lambda buf, comm, op, source: rabenseifner_allreduce(buf, comm, op, source),
     "tree": lambda buf, comm, op, source: tree_allreduce(buf, comm, op),
     "hierarchical": lambda buf, comm, op, source: hierarchical_allreduce(buf, comm, op),
 }
-READS_SOURCE = {"ring", "rabenseifner"}
+READS_SOURCE = {"ring", "recursive_doubling", "rabenseifner"}
 
 
 def _resolve(collective, algorithm, nbytes, count, p):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from tplab.collectives.recursive import combine_in_rank_order
+from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
 
@@ -24,7 +25,7 @@ def binomial_reduce(buf, comm, op, root):
     p = comm.size
     rel = (comm.rank - root) % p
     snapshot("start", buf, at_round=0)
-    theirs = np.empty_like(buf)
+    theirs = scratch("binomial reduce", buf.size, buf.dtype)
     mask = 1
     while mask < p:
         if rel & mask:  # my subtree is complete: pass it to my parent and stop

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
 ROOT = 0
@@ -18,7 +19,7 @@ ROOT = 0
 def naive_allreduce(buf, comm, op):
     snapshot("start", buf, at_round=0)
     if comm.rank == ROOT:
-        theirs = np.empty_like(buf)
+        theirs = scratch("naive", buf.size, buf.dtype)
         for source in range(1, comm.size):  # reduce in rank order: ((x0 op x1) op x2) ...
             comm.recv(theirs, source)
             op.combine(buf, theirs, out=buf)

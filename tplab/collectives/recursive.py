@@ -22,6 +22,7 @@ import numpy as np
 
 from tplab.blocks import block_bounds
 from tplab.collectives.fold import PowerOfTwoFold
+from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
 
@@ -43,7 +44,7 @@ def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold, source=None):
         comm.send(source, fold.rank + 1)
         return None
     if fold.absorbs_neighbour:
-        theirs = comm.recv(np.empty_like(buf), fold.rank - 1)
+        theirs = comm.recv(scratch("fold in", buf.size, buf.dtype), fold.rank - 1)
         combine_in_rank_order(op, source, theirs, fold.rank, fold.rank - 1, out=buf)
         snapshot("fold in", buf, at_round=1)
         return buf
@@ -65,7 +66,7 @@ def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_roun
     (default ``buf``); every later step reads what the step before wrote to ``buf``."""
     n, lo, hi = fold.newrank, 0, fold.pof2
     mine = buf if source is None else source
-    scratch = np.empty(buf.size, dtype=buf.dtype)
+    room = scratch("halving", buf.size, buf.dtype)  # (the first half kept is the largest piece)
     mask, step = fold.pof2 // 2, 0
     while mask:
         partner = fold.real_rank(n ^ mask)
@@ -73,7 +74,7 @@ def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_roun
         keep, give = ((lo, mid), (mid, hi)) if n < mid else ((mid, hi), (lo, mid))
         k0, k1 = span(*keep)
         g0, g1 = span(*give)
-        theirs = scratch[: k1 - k0]
+        theirs = room[: k1 - k0]
         comm.sendrecv(mine[g0:g1], partner, theirs, partner)
         combine_in_rank_order(op, mine[k0:k1], theirs, comm.rank, partner, out=buf[k0:k1])
         mine = buf
@@ -97,19 +98,28 @@ def doubling_allgather(buf, comm, fold: PowerOfTwoFold, span, first_round=2) -> 
 
 
 # ---- the four algorithms ----------------------------------------------------------------------------------
-def recursive_doubling_allreduce(buf, comm, op):
+def recursive_doubling_allreduce(buf, comm, op, source=None):
+    """``source``: this rank's read-only input (default: ``buf``, in place); no copy of it is made."""
     fold = PowerOfTwoFold(comm.size, comm.rank)
-    snapshot("start", buf, at_round=0)
-    fold_in_by_reducing(buf, comm, op, fold)
+    snapshot("start", buf if source is None else source, at_round=0)
+    mine = fold_in_by_reducing(buf, comm, op, fold, source)
     if not fold.sits_out:
-        theirs = np.empty_like(buf)
+        # Each step receives into one buffer and adds into that same buffer: never into the one just
+        # sent, which would make this core wait for the peer's reads of it (cache lines). buf and a
+        # scratch buffer take turns, arranged so that the last sum lands in buf.
+        spare = scratch("recursive doubling", buf.size, buf.dtype)
+        steps = fold.pof2.bit_length() - 1
+        target = buf if steps % 2 == 1 and mine is not buf else spare
         mask = 1
         while mask < fold.pof2:
             partner = fold.real_rank(fold.newrank ^ mask)
-            comm.sendrecv(buf, partner, theirs, partner)  # the whole vector, every step
-            combine_in_rank_order(op, buf, theirs, comm.rank, partner)
-            snapshot(f"step (distance {mask})", buf, at_round=2 + mask.bit_length() - 1)
+            theirs = comm.sendrecv(mine, partner, target, partner)  # the whole vector, every step
+            combine_in_rank_order(op, mine, theirs, comm.rank, partner, out=theirs)
+            mine, target = theirs, (spare if theirs is buf else buf)
+            snapshot(f"step (distance {mask})", mine, at_round=2 + mask.bit_length() - 1)
             mask *= 2
+        if mine is not buf:
+            np.copyto(buf, mine)
     fold_out(buf, comm, fold, at_round=2 + fold.pof2.bit_length() - 1)
     return buf
 

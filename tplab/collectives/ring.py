@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
 
@@ -32,7 +33,7 @@ def ring_reduce_scatter_blocks(buf, comm, op, bounds, source=None) -> None:
     p, r = comm.size, comm.rank
     source = buf if source is None else source
     right, left = (r + 1) % p, (r - 1) % p
-    incoming = np.empty(max(bounds[i + 1] - bounds[i] for i in range(p)), dtype=buf.dtype)
+    incoming = scratch("ring incoming", max(bounds[i + 1] - bounds[i] for i in range(p)), buf.dtype)
 
     def block(array, i):
         i %= p
