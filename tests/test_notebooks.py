@@ -23,12 +23,12 @@ def executed(tmp_path_factory):
             results = execute_notebooks(
                 NOTEBOOKS, tmp / "out", timeout=600,
                 parameters={"n_ranks": RANKS, "cluster_id": "tplab-test", "output_dir": str(tmp / "out"),
-                            "max_bytes": 1 << 14, "iters": 5})
+                            "max_bytes": 1 << 14, "iters": 5, "fit_iters": 5, "osu_max_bytes": 64})
     return tmp / "out", {r["name"]: r for r in results}
 
 
 def test_there_are_notebooks():
-    assert [nb.name[:2] for nb in NOTEBOOKS][:2] == ["00", "01"]
+    assert [nb.name[:2] for nb in NOTEBOOKS][:4] == ["00", "01", "02", "03"]
 
 
 @pytest.mark.parametrize("name", [nb.name for nb in NOTEBOOKS])
@@ -58,3 +58,17 @@ def test_committed_without_outputs():
         nb = nbformat.read(path, as_version=4)
         assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), path.name
         assert any("parameters" in c.metadata.get("tags", []) for c in nb.cells), f"{path.name}: no parameters cell"
+
+
+def test_notebook_02_and_03_outputs(executed):
+    out, _ = executed
+    figures = {p.name for p in (out / "figures").glob("0[23]_*.png")}
+    for name in ["02_formulas", "02_fit", "02_model_vs_measured", "02_tp_ratio", "03_sweep", "03_osu_latency",
+                 "03_emulated_network", "03_emulated_network_model"]:
+        assert f"{name}.png" in figures, name
+    import json
+
+    table = json.loads((out / "tuning.json").read_text())
+    assert str(RANKS) in table["collectives"]["allreduce"]
+    sweep = pd.read_csv(out / f"03_allreduce_p{RANKS}.csv")
+    assert (sweep.wrong == 0).all() and set(sweep.algorithm) >= {"ring", "rabenseifner", "builtin"}
