@@ -28,7 +28,8 @@ plain, tuned = compare(rows, machine), compare(rows, calibrated)
 if comm.rank == 0:
     with open(out, "w", newline="") as f:
         fields = ["machine", "ranks", "algorithm", "size", "time_us", "predicted_us", "error",
-                  "calibrated_us", "calibrated_error", "alpha", "beta", "gamma", "entry", "entry_per_byte", "step"]
+                  "calibrated_us", "calibrated_error", "alpha", "beta", "gamma", "entry", "entry_per_byte", "step",
+                  "switch_bytes", "alpha_large", "beta_large"]
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for a, b in zip(plain, tuned):
@@ -37,10 +38,14 @@ if comm.rank == 0:
                              "error": a["error"], "calibrated_us": b["predicted_us"], "calibrated_error": b["error"],
                              "alpha": machine.alpha, "beta": machine.beta, "gamma": machine.gamma,
                              "entry": machine.entry, "entry_per_byte": machine.entry_per_byte,
-                             "step": calibrated.step})
+                             "step": calibrated.step, "switch_bytes": machine.switch_bytes,
+                             "alpha_large": machine.alpha_large, "beta_large": machine.beta_large})
     print(f"p={comm.size}: alpha {machine.alpha * 1e6:.2f} us, 1/beta {1 / machine.beta / 1e9:.2f} GB/s, "
           f"1/gamma {1 / machine.gamma / 1e9:.2f} GB/s, entry {machine.entry * 1e6:.2f} us, "
           f"step {calibrated.step * 1e6:.2f} us")
+    if machine.alpha_large is not None:
+        print(f"  above {machine.switch_bytes:.0f} B per message: alpha {machine.alpha_large * 1e6:.2f} us, "
+              f"1/beta {1 / machine.beta_large / 1e9:.2f} GB/s")
     for algorithm in algorithms:
         e = np.array([r["error"] for r in plain if r["algorithm"] == algorithm])
         c = np.array([r["calibrated_error"] if "calibrated_error" in r else r["error"]

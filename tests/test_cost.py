@@ -320,3 +320,20 @@ def test_compare_adds_prediction_and_error():
     frame = compare(pd.DataFrame(rows), m)
     assert list(frame.columns)[-2:] == ["predicted_us", "error"] and len(frame) == 2
     assert np.isclose(frame["error"][0], 0.0)
+
+
+def test_two_protocol_fit_finds_the_bend():
+    """Synthetic exchange times: an eager line up to 16 KiB, a rendezvous line (higher latency) above."""
+    from tplab.cost.fit import fit_machine, fit_two_lines
+
+    sizes = [8 << (2 * i) for i in range(11)]
+    def t(n):
+        return 2e-6 + n / 10e9 if n <= 16384 else 9e-6 + n / 12e9
+    rows = [{"size": n, "time_s": t(n)} for n in sizes]
+    switch, (a1, b1), (a2, b2) = fit_two_lines(rows)
+    assert 8192 < switch < 32768
+    assert a1 == pytest.approx(2e-6, rel=0.05) and a2 == pytest.approx(9e-6, rel=0.05)
+    m = fit_machine(rows, [{"size": n, "time_s": n / 20e9} for n in sizes])
+    assert m.link(1024) == pytest.approx((a1, b1)) and m.link(1 << 20) == pytest.approx((a2, b2))
+    straight = [{"size": n, "time_s": 2e-6 + n / 10e9} for n in sizes]
+    assert fit_two_lines(straight) is None and fit_machine(straight, rows).alpha_large is None

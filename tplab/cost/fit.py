@@ -158,16 +158,46 @@ def fit_reduction(reduction_rows) -> tuple[float, float]:
     return gamma, intercept
 
 
-def fit_machine(exchange_rows, reduction_rows, name: str = "", entry_rows=None) -> Machine:
+def misfit(rows, alpha, beta) -> float:
+    """Σ log²(predicted / measured) of the line α + n·β over the rows."""
+    return float(sum(math.log((alpha + r["size"] * beta) / r["time_s"]) ** 2 for r in rows if r["time_s"] > 0))
+
+
+def fit_two_lines(rows, min_points=3, better_by=2.0):
+    """Where the exchange times bend (an MPI library switching from eager sends to a rendezvous), two
+    lines fit far better than one: try every split with at least ``min_points`` sizes on each side and
+    keep the best, if it beats one line by the factor ``better_by`` in misfit. Returns (switch_bytes,
+    (α, β) below, (α, β) above), or None."""
+    rows = sorted(rows, key=lambda r: r["size"])
+    one = misfit(rows, *fit_line(rows))
+    best = None
+    for k in range(min_points, len(rows) - min_points + 1):
+        below, above = fit_line(rows[:k]), fit_line(rows[k:])
+        total = misfit(rows[:k], *below) + misfit(rows[k:], *above)
+        if best is None or total < best[0]:
+            best = (total, math.sqrt(rows[k - 1]["size"] * rows[k]["size"]), below, above)
+    if best is None or best[0] * better_by > one:
+        return None
+    return best[1], best[2], best[3]
+
+
+def fit_machine(exchange_rows, reduction_rows, name: str = "", entry_rows=None, protocols=True) -> Machine:
     """The Machine whose α + n·β best matches the exchange times and n·γ the reduction times; with
-    ``entry_rows`` (measure_entry) also entry + n·entry_per_byte, else those stay 0 (the lecture model)."""
+    ``entry_rows`` (measure_entry) also entry + n·entry_per_byte, else those stay 0 (the lecture model).
+    ``protocols``: fit two lines where the exchange times bend (fit_two_lines), else one."""
     alpha, beta = fit_line(exchange_rows)
+    extra = {}
+    two = fit_two_lines(exchange_rows) if protocols else None
+    if two is not None:
+        switch, (alpha, beta), (alpha_large, beta_large) = two
+        extra = {"switch_bytes": switch, "alpha_large": alpha_large, "beta_large": beta_large}
     gamma, _ = fit_reduction(reduction_rows)
     entry, entry_per_byte = fit_line(entry_rows) if entry_rows else (0.0, 0.0)
-    return Machine(alpha=alpha, beta=beta, gamma=gamma, name=name, entry=entry, entry_per_byte=entry_per_byte)
+    return Machine(alpha=alpha, beta=beta, gamma=gamma, name=name, entry=entry, entry_per_byte=entry_per_byte,
+                   **extra)
 
 
-def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=True):
+def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=True, protocols=True):
     """Measure and fit on the ranks of ``comm`` (collective). Returns (Machine, exchange rows,
     reduction rows), identical on every rank: the reduction is timed on every rank at once (as in an
     algorithm, where all ranks reduce together) and the slowest rank's time kept. ``entry=False`` skips
@@ -179,7 +209,8 @@ def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=Tr
     everyone = comm.allgather_object([r["time_s"] for r in mine])
     reduction = [{"size": r["size"], "time_s": max(ts)} for r, ts in zip(mine, zip(*everyone))]
     entry_rows = measure_entry(comm, sizes, iters=iters, dtype=dtype) if entry else None
-    machine = fit_machine(exchange, reduction, name=name or f"fitted on {comm.size} ranks", entry_rows=entry_rows)
+    machine = fit_machine(exchange, reduction, name=name or f"fitted on {comm.size} ranks", entry_rows=entry_rows,
+                          protocols=protocols)
     return machine, exchange, reduction
 
 

@@ -72,9 +72,22 @@ class Machine:
     entry: float = 0.0
     entry_per_byte: float = 0.0
     step: float = 0.0
+    # MPI libraries send small messages eagerly and large ones by a rendezvous (a handshake first), so
+    # a real link is two lines: α, β up to ``switch_bytes`` per message, α_large, β_large above it.
+    # (Default: one line, the lecture model.) fit.py finds the switch where the measurements bend.
+    switch_bytes: float = math.inf
+    alpha_large: float | None = None
+    beta_large: float | None = None
 
     def entry_time(self, n: float) -> float:
         return self.entry + n * self.entry_per_byte
+
+    def link(self, message_bytes: float) -> tuple[float, float]:
+        """(α, β) for messages of this size."""
+        if message_bytes > self.switch_bytes:
+            return (self.alpha if self.alpha_large is None else self.alpha_large,
+                    self.beta if self.beta_large is None else self.beta_large)
+        return self.alpha, self.beta
 
     def __str__(self) -> str:
         text = (f"{self.name or 'Machine'}: α = {self.alpha * 1e6:.3g} µs, "
@@ -97,8 +110,10 @@ class CriticalPath:
     reduced_bytes: float
 
     def time(self, machine: Machine) -> float:
-        return (self.messages * (machine.alpha + machine.step)  # step: 0 in the lecture model
-                + self.wire_bytes * machine.beta + self.reduced_bytes * machine.gamma)
+        # the messages of one algorithm are about the same size: their mean picks the protocol
+        alpha, beta = machine.link(self.wire_bytes / self.messages if self.messages else 0.0)
+        return (self.messages * (alpha + machine.step)  # step: 0 in the lecture model
+                + self.wire_bytes * beta + self.reduced_bytes * machine.gamma)
 
 
 # ---- how the vector is cut ---------------------------------------------------------------------------------
