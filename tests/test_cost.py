@@ -337,3 +337,17 @@ def test_two_protocol_fit_finds_the_bend():
     assert m.link(1024) == pytest.approx((a1, b1)) and m.link(1 << 20) == pytest.approx((a2, b2))
     straight = [{"size": n, "time_s": 2e-6 + n / 10e9} for n in sizes]
     assert fit_two_lines(straight) is None and fit_machine(straight, rows).alpha_large is None
+
+
+def test_fit_on_timings_recovers_a_machine():
+    from tplab.cost import Machine, compare, fit_on_timings, predict
+
+    truth = Machine(alpha=4e-6, beta=1 / 12e9, gamma=1 / 25e9, entry=5e-6, entry_per_byte=1 / 30e9)
+    rows = [{"collective": "allreduce", "algorithm": a, "ranks": p, "size": n, "type": "float32",
+             "time_us": predict("allreduce", a, p, n, truth, itemsize=4) * 1e6}
+            for a in ["ring", "recursive_doubling", "rabenseifner", "naive"] for p in [2, 4, 8]
+            for n in [8 << (2 * i) for i in range(11)]]
+    fitted = fit_on_timings(rows)
+    assert all(abs(r["error"]) < 0.01 for r in compare(rows, fitted))
+    with pytest.raises(ValueError, match="at least five"):
+        fit_on_timings(rows[:3])

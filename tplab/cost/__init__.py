@@ -7,6 +7,7 @@
     traffic.py         traffic(collective, algorithm, p, n): messages and bytes, busiest rank and total
                        (checked exactly against the Communicator's counters in tests/mpi/test_traffic.py)
     fit.py             fit_on(comm): α, β, γ (and tplab's entry cost) measured on the machine at hand;
+                       fit_on_timings(rows): the same five numbers fitted to collective timings;
                        compare(rows, machine): predicted next to measured
     tensor_parallel.py what a transformer layer sends under TP, and the comm/compute ratio
 
@@ -22,6 +23,7 @@ from tplab.cost.fit import (
     compare,
     fit_machine,
     fit_on,
+    fit_on_timings,
     fit_reduction,
     fit_step,
     measure_entry,
@@ -43,6 +45,7 @@ __all__ = [
     "critical_path",
     "fit_machine",
     "fit_on",
+    "fit_on_timings",
     "fit_reduction",
     "fit_step",
     "formula_text",
