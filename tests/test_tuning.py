@@ -65,3 +65,9 @@ def test_near_ties_do_not_flip_the_winner():
                      512: {"tree": 10.1, "naive": 10.4}, 4096: {"tree": 30.0, "naive": 20.0}})
     table = tuning.table_from_rows(noisy)
     assert tuning.crossovers(table, "allreduce", 4) == [(int((512 * 4096) ** 0.5), "tree"), (None, "naive")]
+
+
+def test_describe_in_words():
+    table = tuning.table_from_rows(MEASURED)
+    assert tuning.describe(table, "allreduce", 16) == [("up to 2.83 KiB", "tree"), ("above 2.83 KiB", "ring")]
+    assert tuning.human_bytes(1536) == "1.5 KiB" and tuning.human_bytes(3 << 30) == "3 GiB"

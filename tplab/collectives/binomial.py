@@ -44,8 +44,8 @@ def binomial_broadcast(buf, comm, root, first_round=1):
     p = comm.size
     rel = (comm.rank - root) % p
     rounds = (p - 1).bit_length()  # ceil(lg p)
-    if rel == 0:
-        snapshot("broadcast start", buf, at_round=first_round - 1)
+    if rel == 0 and first_round == 1:  # (after a reduce, its last round already shows this state)
+        snapshot("start", buf, at_round=0)
     # receive from the parent (the root has none) ...
     mask = 1
     while mask < p:

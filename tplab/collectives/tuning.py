@@ -62,6 +62,31 @@ def crossovers(table: dict, collective: str, ranks: int) -> list[tuple]:
     return [tuple(r) for r in table["collectives"].get(collective, {}).get(str(ranks), [])]
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
+def describe(table: dict, collective: str, ranks: int) -> list[tuple[str, str]]:
+    """The ranges of one rank count in words: [('up to 2.83 KiB', 'naive'), ('2.83 KiB - 362 KiB', ...),
+    ('above 362 KiB', 'ring')]."""
+    out, previous = [], None
+    for up_to, algorithm in crossovers(table, collective, ranks):
+        if up_to is None:
+            span = f"above {human_bytes(previous)}" if previous is not None else "any size"
+        elif previous is None:
+            span = f"up to {human_bytes(up_to)}"
+        else:
+            span = f"{human_bytes(previous)} - {human_bytes(up_to)}"
+        out.append((span, algorithm))
+        previous = up_to
+    return out
+
+
 def lookup(table: dict, collective: str, nbytes: int, p: int) -> str | None:
     by_ranks = table.get("collectives", {}).get(collective)
     if not by_ranks:
