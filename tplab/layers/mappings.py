@@ -1,0 +1,160 @@
+"""The communication of tensor parallelism as autograd functions (after Megatron-LM's mappings.py).
+
+Each op is a pair: what it does in the forward pass, and its conjugate in the backward pass.
+
+    function                                 forward                      backward
+    copy_to_tensor_parallel_region     (f)   identity                     all-reduce
+    reduce_from_tensor_parallel_region (g)   all-reduce                   identity
+    scatter_to_tensor_parallel_region        keep my slice, last dim      all-gather, last dim
+    gather_from_tensor_parallel_region       all-gather, last dim         keep my slice, last dim
+    scatter_to_sequence_parallel_region      keep my slice, first dim     all-gather, first dim
+    gather_from_sequence_parallel_region     all-gather, first dim        reduce-scatter, first dim
+    reduce_scatter_to_sequence_parallel_region  reduce-scatter, first dim all-gather, first dim
+
+f sits before a column-parallel layer (its input is replicated; the gradient with respect to it is a sum
+over ranks), g after a row-parallel layer (the partial outputs are summed). Sequence parallelism replaces
+g by a reduce-scatter along the sequence (first dim) and f by an all-gather.
+
+The collectives are tplab's own (``algorithm`` picks which one, "auto" by default), on CPU tensors
+through the MPI Communicator. Slices along a dimension must divide evenly: a clear error otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tplab
+
+
+def _check_divisible(size: int, parts: int, what: str) -> None:
+    if size % parts:
+        raise ValueError(f"{what} of size {size} cannot be split evenly over {parts} ranks")
+
+
+def all_reduce(x: torch.Tensor, comm, algorithm="auto") -> torch.Tensor:
+    return tplab.allreduce(x.detach().contiguous(), comm, algorithm=algorithm)
+
+
+def all_gather(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (all ranks hold the same shape)."""
+    moved = x.detach().movedim(dim, 0).contiguous()
+    flat = tplab.allgather(moved, comm, algorithm=algorithm)  # rank 0's block, rank 1's, ...
+    gathered = flat.reshape(comm.size * moved.shape[0], *moved.shape[1:])
+    return gathered.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tensor:
+    """Sum over ranks, keep this rank's slice along ``dim``."""
+    _check_divisible(x.shape[dim], comm.size, f"dimension {dim}")
+    moved = x.detach().movedim(dim, 0).contiguous()
+    mine = tplab.reduce_scatter(moved, comm, algorithm=algorithm)  # equal blocks of the first dim
+    return mine.reshape(moved.shape[0] // comm.size, *moved.shape[1:]).movedim(0, dim).contiguous()
+
+
+def my_slice(x: torch.Tensor, comm, dim: int) -> torch.Tensor:
+    _check_divisible(x.shape[dim], comm.size, f"dimension {dim}")
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm, ctx.algorithm = comm, algorithm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.comm, ctx.algorithm), None, None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        return all_reduce(x, comm, algorithm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm = comm
+        return all_gather(x, comm, dim=-1, algorithm=algorithm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return my_slice(grad, ctx.comm, dim=-1), None, None
+
+
+class _ScatterToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm, ctx.algorithm = comm, algorithm
+        return my_slice(x, comm, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.comm, dim=-1, algorithm=ctx.algorithm), None, None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm, ctx.algorithm = comm, algorithm
+        return my_slice(x, comm, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm, ctx.algorithm = comm, algorithm
+        return all_gather(x, comm, dim=0, algorithm=algorithm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, algorithm):
+        ctx.comm, ctx.algorithm = comm, algorithm
+        return reduce_scatter(x, comm, dim=0, algorithm=algorithm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+
+
+def copy_to_tensor_parallel_region(x, comm, algorithm="auto"):
+    return _CopyToTensorParallelRegion.apply(x, comm, algorithm)
+
+
+def reduce_from_tensor_parallel_region(x, comm, algorithm="auto"):
+    return _ReduceFromTensorParallelRegion.apply(x, comm, algorithm)
+
+
+def scatter_to_tensor_parallel_region(x, comm, algorithm="auto"):
+    return _ScatterToTensorParallelRegion.apply(x, comm, algorithm)
+
+
+def gather_from_tensor_parallel_region(x, comm, algorithm="auto"):
+    return _GatherFromTensorParallelRegion.apply(x, comm, algorithm)
+
+
+def scatter_to_sequence_parallel_region(x, comm, algorithm="auto"):
+    return _ScatterToSequenceParallelRegion.apply(x, comm, algorithm)
+
+
+def gather_from_sequence_parallel_region(x, comm, algorithm="auto"):
+    return _GatherFromSequenceParallelRegion.apply(x, comm, algorithm)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, comm, algorithm="auto"):
+    return _ReduceScatterToSequenceParallelRegion.apply(x, comm, algorithm)
