@@ -89,3 +89,101 @@ def test_indivisible_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="cannot be split evenly"):
         scatter_to_sequence_parallel_region(replicated(2 * P + 1, 2), C)
     agree(True)
+
+
+# ---- MLP and attention ----------------------------------------------------------------------------------
+from tplab.layers.attention import ParallelAttention, heads_per_rank  # noqa: E402
+from tplab.layers.mlp import ParallelMLP  # noqa: E402
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_parallel_mlp_equals_unsplit(activation, sequence_parallel):
+    h, ffn, s, b = 6, 4 * P, 2 * P, 3
+    torch.manual_seed(10)
+    up, down = nn.Linear(h, ffn, dtype=torch.float64), nn.Linear(ffn, h, dtype=torch.float64)
+    gate = nn.Linear(h, ffn, dtype=torch.float64) if activation == "swiglu" else None
+    mlp = ParallelMLP.from_dense(up, down, C, gate=gate, activation=activation, sequence_parallel=sequence_parallel)
+
+    x_full = replicated(s, b, h, seed=11).requires_grad_()  # (seq, batch, hidden)
+    hidden = nn.functional.gelu(up(x_full)) if gate is None else nn.functional.silu(gate(x_full)) * up(x_full)
+    y_full = down(hidden)
+    if sequence_parallel:  # each rank holds its slice of the sequence, in and out
+        x = x_full.detach().chunk(P, dim=0)[COMM.rank].clone().requires_grad_()
+        expected = y_full.chunk(P, dim=0)[COMM.rank]
+    else:
+        x = x_full.detach().clone().requires_grad_()
+        expected = y_full
+    y = mlp(x)
+    agree(close(y, expected), f"forward differs by {(y - expected).abs().max()}")
+    y_full.square().sum().backward()
+    y.square().sum().backward()  # under SP each rank's loss is its slice's: they add up to the full loss
+    want_dx = x_full.grad.chunk(P, dim=0)[COMM.rank] if sequence_parallel else x_full.grad
+    agree(close(x.grad, want_dx), "dX differs")
+    agree(close(mlp.up.weight.grad, up.weight.grad.chunk(P, dim=0)[COMM.rank]),
+          "up-projection gradient is not the matching slice")
+    agree(close(mlp.down.weight.grad, down.weight.grad.chunk(P, dim=1)[COMM.rank]),
+          "down-projection gradient is not the matching slice")
+
+
+def reference_attention(x, q, k, v, o, n, kv):
+    b, s, h = x.shape
+    d = h // n
+    Q = q(x).view(b, s, n, d).transpose(1, 2)
+    K = k(x).view(b, s, kv, d).transpose(1, 2).repeat_interleave(n // kv, dim=1)
+    V = v(x).view(b, s, kv, d).transpose(1, 2).repeat_interleave(n // kv, dim=1)
+    out = nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    return o(out.transpose(1, 2).reshape(b, s, h))
+
+
+@pytest.mark.parametrize("local_heads,kv_heads", [(2, "mha"), (4, "half"), (8, "one"), (1, "mha")])
+def test_parallel_attention_equals_unsplit(local_heads, kv_heads):
+    """MHA; GQA with 2 query heads per KV head; GQA with a single KV head (replicated when p > 1)."""
+    n = local_heads * P
+    kv = {"mha": n, "half": n // 2, "one": 1}[kv_heads]
+    d, b, s = 3, 2, 5
+    h = n * d
+    torch.manual_seed(20)
+    q, o = nn.Linear(h, n * d, dtype=torch.float64), nn.Linear(n * d, h, dtype=torch.float64)
+    k, v = nn.Linear(h, kv * d, dtype=torch.float64), nn.Linear(h, kv * d, dtype=torch.float64)
+    attention = ParallelAttention.from_dense(q, k, v, o, n, C, num_kv_heads=kv)
+    x_full = replicated(b, s, h, seed=21).requires_grad_()
+    x = x_full.detach().clone().requires_grad_()
+    y_full, y = reference_attention(x_full, q, k, v, o, n, kv), attention(x)
+    agree(close(y, y_full), f"forward differs by {(y - y_full).abs().max()} (n={n}, kv={kv})")
+    y_full.square().sum().backward()
+    y.square().sum().backward()
+    agree(close(x.grad, x_full.grad), "dX differs")
+    q_rows = slice(COMM.rank * (n // P) * d, (COMM.rank + 1) * (n // P) * d)
+    agree(close(attention.q_proj.weight.grad, q.weight.grad[q_rows]), "Wq gradient is not the matching slice")
+
+
+@pytest.mark.skipif(P < 2, reason="any head count splits over one rank")
+def test_heads_that_cannot_be_split():
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
+        heads_per_rank(2 * P + 1, 2 * P + 1, P)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        heads_per_rank(4 * P, 4 * P - 1, P)
+    with pytest.raises(ValueError, match="is not divisible by num_heads"):
+        ParallelAttention(4 * P + 1, 4 * P, C)
+    agree(True)
+
+
+def test_a_tensor_parallel_block_runs_two_allreduces_forward():
+    from tplab.layers import mappings
+
+    n, d, h = 2 * P, 2, 4 * P
+    torch.manual_seed(30)
+    lin = lambda i, o: nn.Linear(i, o, dtype=torch.float64)  # noqa: E731
+    attention = ParallelAttention.from_dense(lin(h, n * d), lin(h, n * d), lin(h, n * d), lin(n * d, h), n, C)
+    mlp = ParallelMLP.from_dense(lin(h, 4 * h), lin(4 * h, h), C)
+    x = replicated(1, 3, h, seed=31)
+    mappings.calls.clear()
+    with torch.no_grad():
+        mlp(x + attention(x))
+    agree(dict(mappings.calls) == {"allreduce": 2}, f"counted {dict(mappings.calls)}")
+    sp = ParallelMLP.from_dense(lin(h, 4 * h), lin(4 * h, h), C, sequence_parallel=True)
+    mappings.calls.clear()
+    with torch.no_grad():
+        sp(replicated(P, 2, h, seed=32))
+    agree(dict(mappings.calls) == {"allgather": 1, "reduce_scatter": 1}, f"counted {dict(mappings.calls)}")

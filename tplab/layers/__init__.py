@@ -1,9 +1,14 @@
 """tplab.layers — Megatron-style tensor-parallel layers on tplab's own collectives.
 
     mappings.py   the f / g conjugate ops and their sequence-parallel versions, as autograd functions
+                  (``mappings.calls`` counts the collectives they ran)
     linear.py     ColumnParallelLinear, RowParallelLinear (from_linear shards an nn.Linear)
+    mlp.py        ParallelMLP: GELU or SwiGLU, tensor- or sequence-parallel (from_dense)
+    attention.py  ParallelAttention: heads split over ranks, MHA and GQA (KV heads replicated when
+                  there are fewer than ranks) (from_dense)
 """
 
+from tplab.layers.attention import ParallelAttention
 from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tplab.layers.mappings import (
     copy_to_tensor_parallel_region,
@@ -14,9 +19,12 @@ from tplab.layers.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
+from tplab.layers.mlp import ParallelMLP
 
 __all__ = [
     "ColumnParallelLinear",
+    "ParallelAttention",
+    "ParallelMLP",
     "RowParallelLinear",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",

@@ -52,6 +52,10 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias.chunk(comm.size, dim=0)[comm.rank])
         return layer
 
+    def local(self, x):
+        """This rank's output features, no communication (the caller handles f)."""
+        return nn.functional.linear(x, self.weight, self.bias)  # (..., out/p)
+
     def forward(self, x):  # x: (..., in) replicated on every rank
         x = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # f: backward all-reduces dX
         y = nn.functional.linear(x, self.weight, self.bias)  # (..., out/p)
@@ -80,6 +84,10 @@ class RowParallelLinear(nn.Module):
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
+
+    def local(self, x):
+        """This rank's partial product, no communication and no bias (the caller reduces, then adds it)."""
+        return nn.functional.linear(x, self.weight)
 
     def forward(self, x):  # x: (..., in/p) if input_is_parallel, else (..., in) replicated
         if not self.input_is_parallel:

@@ -21,9 +21,15 @@ through the MPI Communicator. Slices along a dimension must divide evenly: a cle
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 import tplab
+
+# Collectives the layers ran in this process, by kind ("allreduce", "allgather", "reduce_scatter"):
+# a TP transformer layer's forward pass should add exactly 2 all-reduces. ``calls.clear()`` resets.
+calls: Counter = Counter()
 
 
 def _check_divisible(size: int, parts: int, what: str) -> None:
@@ -32,11 +38,13 @@ def _check_divisible(size: int, parts: int, what: str) -> None:
 
 
 def all_reduce(x: torch.Tensor, comm, algorithm="auto") -> torch.Tensor:
+    calls["allreduce"] += 1
     return tplab.allreduce(x.detach().contiguous(), comm, algorithm=algorithm)
 
 
 def all_gather(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (all ranks hold the same shape)."""
+    calls["allgather"] += 1
     moved = x.detach().movedim(dim, 0).contiguous()
     flat = tplab.allgather(moved, comm, algorithm=algorithm)  # rank 0's block, rank 1's, ...
     gathered = flat.reshape(comm.size * moved.shape[0], *moved.shape[1:])
@@ -46,6 +54,7 @@ def all_gather(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tenso
 def reduce_scatter(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tensor:
     """Sum over ranks, keep this rank's slice along ``dim``."""
     _check_divisible(x.shape[dim], comm.size, f"dimension {dim}")
+    calls["reduce_scatter"] += 1
     moved = x.detach().movedim(dim, 0).contiguous()
     mine = tplab.reduce_scatter(moved, comm, algorithm=algorithm)  # equal blocks of the first dim
     return mine.reshape(moved.shape[0] // comm.size, *moved.shape[1:]).movedim(0, dim).contiguous()
