@@ -187,3 +187,24 @@ def test_a_tensor_parallel_block_runs_two_allreduces_forward():
     with torch.no_grad():
         sp(replicated(P, 2, h, seed=32))
     agree(dict(mappings.calls) == {"allgather": 1, "reduce_scatter": 1}, f"counted {dict(mappings.calls)}")
+
+
+def test_vocabulary_parallel_embedding_and_lm_head():
+    from tplab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    vocab, h = 5 * P, 4
+    torch.manual_seed(40)
+    table = nn.Embedding(vocab, h, dtype=torch.float64)
+    head = nn.Linear(h, vocab, bias=False, dtype=torch.float64)
+    tokens = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(41))
+    embed = VocabParallelEmbedding.from_embedding(table, C)
+    lm_head = ParallelLMHead.from_linear(head, C, gather_output=True)
+    x = embed(tokens)
+    agree(close(x, table(tokens)), "embedding lookup differs")
+    agree(close(lm_head(x), head(table(tokens))), "logits differ")
+    full = replicated(2, 7, h, seed=42).requires_grad_()
+    mine = full.detach().clone().requires_grad_()
+    head(full).logsumexp(-1).sum().backward()
+    lm_head(mine).logsumexp(-1).sum().backward()
+    agree(close(mine.grad, full.grad) and close(lm_head.weight.grad, head.weight.grad.chunk(P, dim=0)[COMM.rank]),
+          "LM head gradients differ")

@@ -13,8 +13,6 @@ Works for any p (a missing child is simply skipped).
 
 from __future__ import annotations
 
-import numpy as np
-
 from tplab.collectives.recursive import combine_in_rank_order
 from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot

@@ -8,8 +8,6 @@ algorithm removes. It is still the right picture to start from.
 
 from __future__ import annotations
 
-import numpy as np
-
 from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
