@@ -1,0 +1,44 @@
+"""A tensor-parallel GPT returns the same logits as the unsplit one, on every rank."""
+
+import pytest
+from mpitest import COMM, agree, same_on_every_rank
+
+torch = pytest.importorskip("torch")
+
+from tplab.comm import world  # noqa: E402
+from tplab.layers import mappings  # noqa: E402
+from tplab.models import GPT, GPTConfig, parallelize  # noqa: E402
+
+P = COMM.size
+C = world(timeout=10)
+
+
+@pytest.mark.parametrize("shape", ["gpt2-like", "llama-like"])
+def test_sharded_gpt_gives_the_unsplit_logits(shape):
+    if shape == "gpt2-like":
+        config = GPTConfig(vocab_size=8 * P, n_layer=2, n_head=2 * P, n_embd=8 * P, dtype=torch.float64)
+    else:  # GQA with fewer KV heads than ranks when p > 1, SwiGLU, RMSNorm, no biases
+        config = GPTConfig(vocab_size=8 * P, n_layer=2, n_head=2 * P, n_kv_head=1, n_embd=8 * P, mlp="swiglu",
+                           norm="rmsnorm", bias=False, dtype=torch.float64)
+    torch.manual_seed(50)  # the same model on every rank
+    model = GPT(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(51))
+    sharded = parallelize(model, C)
+    mappings.calls.clear()
+    with torch.no_grad():
+        full, mine = model(tokens), sharded(tokens)
+    err = float(((mine - full).abs().max() / full.abs().max()))
+    agree(err < 1e-10, f"relative difference {err:.2e}")
+    agree(same_on_every_rank(mine.numpy().tobytes()), "ranks hold different logits")
+    agree(dict(mappings.calls) == {"allreduce": 2 * config.n_layer + 1, "allgather": 1}, str(dict(mappings.calls)))
+
+
+@pytest.mark.skipif(P < 2, reason="everything splits over one rank")
+def test_shapes_tensor_parallelism_cannot_split():
+    with pytest.raises(ValueError, match="num_heads .* not divisible by the tensor-parallel size"):
+        parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=2 * P + 1, n_embd=2 * P + 1)), C)
+    with pytest.raises(ValueError, match="vocabulary size .* not divisible"):
+        parallelize(GPT(GPTConfig(vocab_size=8 * P + 1, n_head=P, n_embd=4 * P)), C)
+    with pytest.raises(NotImplementedError, match="sequence-parallel attention"):
+        parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=P, n_embd=4 * P)), C, sequence_parallel=True)
+    agree(True)

@@ -1,0 +1,103 @@
+"""A small GPT in one readable file (after nanoGPT): the unsplit reference the tensor-parallel version
+must match exactly. GQA, SwiGLU and RMSNorm switches make it Llama-shaped too.
+
+    config = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+    model = GPT(config)
+    logits = model(tokens)               # tokens (b, s) -> logits (b, s, vocab)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    block_size: int = 32  # longest sequence (learned positions)
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int | None = None  # None: n_head (multi-head attention); fewer: grouped-query attention
+    n_embd: int = 32
+    mlp: str = "gelu"  # or "swiglu" (Llama)
+    norm: str = "layernorm"  # or "rmsnorm" (Llama)
+    bias: bool = True
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, dtype=config.dtype)
+    return nn.LayerNorm(config.n_embd, dtype=config.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h, d = config.n_embd, config.n_embd // config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, d
+        self.q_proj = nn.Linear(h, config.n_head * d, bias=config.bias, dtype=config.dtype)
+        self.k_proj = nn.Linear(h, self.n_kv_head * d, bias=config.bias, dtype=config.dtype)
+        self.v_proj = nn.Linear(h, self.n_kv_head * d, bias=config.bias, dtype=config.dtype)
+        self.o_proj = nn.Linear(config.n_head * d, h, bias=config.bias, dtype=config.dtype)
+
+    def forward(self, x):  # (b, s, h)
+        b, s, h = x.shape
+        q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)  # (b, n, s, d)
+        k = self.k_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
+        v = self.v_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        group = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, s, d)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, n, s, d)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h = config.n_embd
+        self.activation = config.mlp
+        self.up = nn.Linear(h, 4 * h, bias=config.bias, dtype=config.dtype)
+        self.gate = nn.Linear(h, 4 * h, bias=config.bias, dtype=config.dtype) if config.mlp == "swiglu" else None
+        self.down = nn.Linear(4 * h, h, bias=config.bias, dtype=config.dtype)
+
+    def forward(self, x):  # (b, s, h)
+        if self.gate is None:
+            return self.down(nn.functional.gelu(self.up(x)))
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))  # (b, s, h)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.norm1, self.attention = make_norm(config), Attention(config)
+        self.norm2, self.mlp = make_norm(config), MLP(config)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, dtype=config.dtype)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd, dtype=config.dtype)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, dtype=config.dtype)
+
+    def forward(self, tokens):  # (b, s) integers
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)  # (b, s, h)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm_f(x))  # (b, s, vocab)
