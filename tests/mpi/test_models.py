@@ -42,3 +42,19 @@ def test_shapes_tensor_parallelism_cannot_split():
     with pytest.raises(NotImplementedError, match="sequence-parallel attention"):
         parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=P, n_embd=4 * P)), C, sequence_parallel=True)
     agree(True)
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 1])
+def test_greedy_generation_with_kv_cache_matches_unsplit(n_kv_head):
+    from tplab.models import generate
+
+    config = GPTConfig(vocab_size=8 * P, block_size=24, n_layer=2, n_head=2 * P, n_kv_head=n_kv_head,
+                       n_embd=8 * P, dtype=torch.float64)
+    torch.manual_seed(60)
+    model = GPT(config)
+    prompt = torch.randint(0, config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(61))
+    expected = generate(model, prompt, 12, use_cache=False)  # recompute everything every step
+    agree(torch.equal(generate(model, prompt, 12), expected), "the KV cache changes the tokens")
+    sharded = generate(parallelize(model, C), prompt, 12)
+    agree(torch.equal(sharded, expected), f"sharded generation differs: {sharded[0].tolist()} vs {expected[0].tolist()}")
+    agree(same_on_every_rank(sharded.numpy().tobytes()), "ranks generated different tokens")

@@ -21,6 +21,26 @@ from torch import nn
 from tplab.layers.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 
 
+def attend(q, k, v):
+    """Causal attention where the queries are the *last* q.shape[2] positions of the keys (with a KV
+    cache, new tokens attend to everything before them)."""
+    new, total = q.shape[2], k.shape[2]
+    if new == total:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(diagonal=total - new)
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def extend_cache(cache, k, v):
+    """Append this step's keys and values (b, kv, s, d) to the layer's cache; return all of them."""
+    if cache is None:
+        return k, v
+    if "k" in cache:
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    cache["k"], cache["v"] = k, v
+    return k, v
+
+
 def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
     """(query heads, kv heads) each rank holds; a clear error when the heads cannot be split."""
     if num_heads % num_kv_heads:
@@ -85,16 +105,20 @@ class ParallelAttention(nn.Module):
                 layer.o_bias = nn.Parameter(o_proj.bias.detach().clone())
         return layer
 
-    def forward(self, x):  # x: (b, s, h), the same on every rank
+    def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank; cache: my heads' past K, V
         b, s, _ = x.shape
         d = self.head_dim
         x = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # f
         q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)  # (b, n/p, s, d)
         k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)  # (b, k/p, s, d)
         v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        k, v = extend_cache(cache, k, v)  # (b, k/p, past + s, d)
         repeat = self.local_heads // self.local_kv_heads  # each KV head serves this many query heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (b, n/p, s, d)
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # (b, n/p, s, d)
+        if self.causal:
+            out = attend(q, k, v)  # (b, n/p, s, d)
+        else:
+            out = nn.functional.scaled_dot_product_attention(q, k, v)
         partial = self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))  # (b, s, h), partial
         y = reduce_from_tensor_parallel_region(partial, self.comm, self.algorithm)  # g
         return y + self.o_bias if self.o_bias is not None else y

@@ -4,6 +4,7 @@ must match exactly. GQA, SwiGLU and RMSNorm switches make it Llama-shaped too.
     config = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32)
     model = GPT(config)
     logits = model(tokens)               # tokens (b, s) -> logits (b, s, vocab)
+    generate(model, tokens, 10)          # greedy, with a KV cache: (b, s + 10)
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from tplab.layers.attention import attend, extend_cache
 
 
 @dataclass
@@ -48,14 +51,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv_head * d, bias=config.bias, dtype=config.dtype)
         self.o_proj = nn.Linear(config.n_head * d, h, bias=config.bias, dtype=config.dtype)
 
-    def forward(self, x):  # (b, s, h)
+    def forward(self, x, cache=None):  # (b, s, h); cache: this layer's dict of past keys and values
         b, s, h = x.shape
         q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)  # (b, n, s, d)
         k = self.k_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
         v = self.v_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        k, v = extend_cache(cache, k, v)  # (b, kv, past + s, d)
         group = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, s, d)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, n, s, d)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, past + s, d)
+        y = attend(q, k, v)  # (b, n, s, d)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -80,8 +84,8 @@ class Block(nn.Module):
         self.norm1, self.attention = make_norm(config), Attention(config)
         self.norm2, self.mlp = make_norm(config), MLP(config)
 
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attention(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -95,9 +99,27 @@ class GPT(nn.Module):
         self.norm_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, dtype=config.dtype)
 
-    def forward(self, tokens):  # (b, s) integers
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens, caches=None):  # (b, s) integers; caches: one dict per block, or None
+        past = caches[0]["k"].shape[2] if caches and "k" in caches[0] else 0
+        if past + tokens.shape[1] > self.config.block_size:
+            raise ValueError(f"{past + tokens.shape[1]} positions exceed block_size {self.config.block_size}")
+        positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)  # (b, s, h)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, caches[i] if caches else None)
         return self.lm_head(self.norm_f(x))  # (b, s, vocab)
+
+
+@torch.no_grad()
+def generate(model, tokens, max_new_tokens: int, use_cache: bool = True):
+    """Greedy decoding: append the most likely next token ``max_new_tokens`` times. With the KV cache
+    each step feeds only the newest token (the keys and values of the others are kept); without it,
+    each step recomputes the whole sequence. Works for GPT and its tensor-parallel copy alike."""
+    caches = [{} for _ in model.blocks] if use_cache else None
+    out, step_input = tokens, tokens
+    for _ in range(max_new_tokens):
+        logits = model(step_input if use_cache else out, caches)  # (b, s, vocab)
+        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
+        out = torch.cat([out, next_token], dim=1)
+        step_input = next_token
+    return out

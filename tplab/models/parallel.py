@@ -30,8 +30,8 @@ class ParallelBlock(nn.Module):
         self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
                                           algorithm=algorithm)
 
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x, cache=None):
+        x = x + self.attention(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
 
 
