@@ -58,3 +58,17 @@ def test_greedy_generation_with_kv_cache_matches_unsplit(n_kv_head):
     sharded = generate(parallelize(model, C), prompt, 12)
     agree(torch.equal(sharded, expected), f"sharded generation differs: {sharded[0].tolist()} vs {expected[0].tolist()}")
     agree(same_on_every_rank(sharded.numpy().tobytes()), "ranks generated different tokens")
+
+
+def test_hugging_face_gpt2_sharded_gives_its_logits():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=8 * P, n_positions=32, n_embd=8 * P, n_layer=2, n_head=2 * P,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(70)  # the same random model on every rank: no download
+    hf = transformers.GPT2LMHeadModel(config).double().eval()
+    tokens = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(71))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = parallelize(hf, C)(tokens)
+    err = float((got - expected).abs().max() / expected.abs().max())
+    agree(err < 1e-10, f"relative difference {err:.2e}")

@@ -29,10 +29,11 @@ class ParallelMLP(nn.Module):
     def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear, gate: ColumnParallelLinear | None = None,
                  activation: str = "gelu", sequence_parallel: bool = False):
         super().__init__()
-        if activation not in ("gelu", "swiglu"):
-            raise ValueError(f"unknown activation {activation!r}: 'gelu' or 'swiglu'")
+        if activation not in ("gelu", "gelu_tanh", "swiglu"):
+            raise ValueError(f"unknown activation {activation!r}: 'gelu', 'gelu_tanh' or 'swiglu'")
         if (activation == "swiglu") != (gate is not None):
             raise ValueError("swiglu needs a gate projection, gelu none")
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
         self.up, self.down, self.gate = up, down, gate
         self.activation, self.sequence_parallel = activation, sequence_parallel
         self.comm, self.algorithm = up.comm, up.algorithm
@@ -49,8 +50,8 @@ class ParallelMLP(nn.Module):
                    sequence_parallel=sequence_parallel)
 
     def _hidden(self, x):  # (..., h) -> (..., ffn/p): whole columns of the hidden layer, no communication
-        if self.activation == "gelu":
-            return nn.functional.gelu(self.up.local(x))
+        if self.gate is None:
+            return nn.functional.gelu(self.up.local(x), approximate=self.approximate)
         return nn.functional.silu(self.gate.local(x)) * self.up.local(x)
 
     def forward(self, x):

@@ -25,7 +25,7 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int | None = None  # None: n_head (multi-head attention); fewer: grouped-query attention
     n_embd: int = 32
-    mlp: str = "gelu"  # or "swiglu" (Llama)
+    mlp: str = "gelu"  # "gelu_tanh" (GPT-2's tanh approximation) or "swiglu" (Llama)
     norm: str = "layernorm"  # or "rmsnorm" (Llama)
     bias: bool = True
     dtype: torch.dtype = torch.float32
@@ -74,7 +74,8 @@ class MLP(nn.Module):
 
     def forward(self, x):  # (b, s, h)
         if self.gate is None:
-            return self.down(nn.functional.gelu(self.up(x)))
+            approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+            return self.down(nn.functional.gelu(self.up(x), approximate=approximate))
         return self.down(nn.functional.silu(self.gate(x)) * self.up(x))  # (b, s, h)
 
 

@@ -54,6 +54,11 @@ def parallelize(model: GPT, comm, sequence_parallel: bool = False, algorithm="au
     if sequence_parallel:
         raise NotImplementedError("sequence parallelism for whole models needs sequence-parallel attention "
                                   "(not yet); ParallelMLP(sequence_parallel=True) exists")
+    if type(model).__name__ == "GPT2LMHeadModel":  # a Hugging Face GPT-2: convert, then shard
+        from tplab.models.hf import from_hf_gpt2
+
+        model = from_hf_gpt2(model)
     if not isinstance(model, GPT):
-        raise TypeError(f"parallelize knows tplab's GPT; got {type(model).__name__}")
+        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel; "
+                        f"got {type(model).__name__}")
     return ParallelGPT(model, comm, algorithm)
