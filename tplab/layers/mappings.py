@@ -65,105 +65,61 @@ def my_slice(x: torch.Tensor, comm, dim: int) -> torch.Tensor:
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm, ctx.algorithm = comm, algorithm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.comm, ctx.algorithm), None, None
+# ---- the pairs: each op is (what the forward pass does, what the backward pass does) ----------------------
+def identity(x, comm, algorithm):
+    return x.view_as(x)
 
 
-class _ReduceFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        return all_reduce(x, comm, algorithm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
+def keep_my_slice_of_last_dim(x, comm, algorithm):
+    return my_slice(x, comm, dim=-1)
 
 
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm = comm
-        return all_gather(x, comm, dim=-1, algorithm=algorithm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return my_slice(grad, ctx.comm, dim=-1), None, None
+def keep_my_slice_of_first_dim(x, comm, algorithm):
+    return my_slice(x, comm, dim=0)
 
 
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm, ctx.algorithm = comm, algorithm
-        return my_slice(x, comm, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.comm, dim=-1, algorithm=ctx.algorithm), None, None
+def all_gather_last_dim(x, comm, algorithm):
+    return all_gather(x, comm, dim=-1, algorithm=algorithm)
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm, ctx.algorithm = comm, algorithm
-        return my_slice(x, comm, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+def all_gather_first_dim(x, comm, algorithm):
+    return all_gather(x, comm, dim=0, algorithm=algorithm)
 
 
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm, ctx.algorithm = comm, algorithm
-        return all_gather(x, comm, dim=0, algorithm=algorithm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+def reduce_scatter_first_dim(x, comm, algorithm):
+    return reduce_scatter(x, comm, dim=0, algorithm=algorithm)
 
 
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, algorithm):
-        ctx.comm, ctx.algorithm = comm, algorithm
-        return reduce_scatter(x, comm, dim=0, algorithm=algorithm)
+def conjugate_pair(name: str, forward, backward):
+    """An autograd op that runs ``forward`` on the input and ``backward`` on the incoming gradient."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.comm, dim=0, algorithm=ctx.algorithm), None, None
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, comm, algorithm):
+            ctx.comm, ctx.algorithm = comm, algorithm
+            return forward(x, comm, algorithm)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.comm, ctx.algorithm), None, None
 
-def copy_to_tensor_parallel_region(x, comm, algorithm="auto"):
-    return _CopyToTensorParallelRegion.apply(x, comm, algorithm)
+    def apply(x, comm, algorithm="auto"):
+        return Op.apply(x, comm, algorithm)
 
-
-def reduce_from_tensor_parallel_region(x, comm, algorithm="auto"):
-    return _ReduceFromTensorParallelRegion.apply(x, comm, algorithm)
-
-
-def scatter_to_tensor_parallel_region(x, comm, algorithm="auto"):
-    return _ScatterToTensorParallelRegion.apply(x, comm, algorithm)
+    Op.__name__ = apply.__name__ = apply.__qualname__ = name
+    apply.__doc__ = f"forward: {forward.__name__}; backward: {backward.__name__}"
+    return apply
 
 
-def gather_from_tensor_parallel_region(x, comm, algorithm="auto"):
-    return _GatherFromTensorParallelRegion.apply(x, comm, algorithm)
-
-
-def scatter_to_sequence_parallel_region(x, comm, algorithm="auto"):
-    return _ScatterToSequenceParallelRegion.apply(x, comm, algorithm)
-
-
-def gather_from_sequence_parallel_region(x, comm, algorithm="auto"):
-    return _GatherFromSequenceParallelRegion.apply(x, comm, algorithm)
-
-
-def reduce_scatter_to_sequence_parallel_region(x, comm, algorithm="auto"):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, comm, algorithm)
+copy_to_tensor_parallel_region = conjugate_pair("copy_to_tensor_parallel_region", identity, all_reduce)
+reduce_from_tensor_parallel_region = conjugate_pair("reduce_from_tensor_parallel_region", all_reduce, identity)
+scatter_to_tensor_parallel_region = conjugate_pair(
+    "scatter_to_tensor_parallel_region", keep_my_slice_of_last_dim, all_gather_last_dim)
+gather_from_tensor_parallel_region = conjugate_pair(
+    "gather_from_tensor_parallel_region", all_gather_last_dim, keep_my_slice_of_last_dim)
+scatter_to_sequence_parallel_region = conjugate_pair(
+    "scatter_to_sequence_parallel_region", keep_my_slice_of_first_dim, all_gather_first_dim)
+gather_from_sequence_parallel_region = conjugate_pair(
+    "gather_from_sequence_parallel_region", all_gather_first_dim, reduce_scatter_first_dim)
+reduce_scatter_to_sequence_parallel_region = conjugate_pair(
+    "reduce_scatter_to_sequence_parallel_region", reduce_scatter_first_dim, all_gather_first_dim)
