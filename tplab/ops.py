@@ -16,27 +16,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tplab.arrays import array_module
+
 
 @dataclass(frozen=True)
 class ReduceOp:
     name: str
     ufunc: np.ufunc
     mpi_name: str  # attribute of mpi4py.MPI: SUM, PROD, MAX, MIN
+    bfloat16 = False  # True for the variant that reads int16 arrays as bfloat16 bits (tplab/bfloat16.py)
 
     def combine(self, left, right, out):
         """out = left (op) right, elementwise. ``out`` may be ``left`` or ``right``."""
-        return self.ufunc(left, right, out=out)
+        if type(out) is np.ndarray:  # host memory: numpy's ufunc, no dispatch cost
+            return self.ufunc(left, right, out=out)
+        return self.ufunc_for(out)(left, right, out=out)
 
     def accumulate(self, acc, incoming):
         """acc = incoming (op) acc: fold a partial result that arrived from an earlier stage into ``acc``."""
-        return self.ufunc(incoming, acc, out=acc)
+        return self.ufunc_for(acc)(incoming, acc, out=acc)
 
     def reduce_many(self, arrays):
         """Reduce a list of equal-shaped arrays in list order: ((a0 op a1) op a2) ..."""
         acc = arrays[0].copy()
+        ufunc = self.ufunc_for(acc)
         for a in arrays[1:]:
-            self.ufunc(acc, a, out=acc)
+            ufunc(acc, a, out=acc)
         return acc
+
+    def ufunc_for(self, x):
+        """This op's ufunc from the module of ``x``: numpy's, or CuPy's for GPU arrays (called directly,
+        not through numpy's __array_ufunc__ dispatch)."""
+        if type(x) is np.ndarray:
+            return self.ufunc
+        return getattr(array_module(x), self.ufunc.__name__)
 
     @property
     def mpi_op(self):

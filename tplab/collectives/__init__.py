@@ -8,10 +8,11 @@
     broadcast(x, comm, root=0, algorithm="auto")         -> root's array on every rank
     reduce(x, comm, root=0, op="sum", algorithm="auto")  -> the reduction on root, None elsewhere
 
-Each takes numpy arrays (any shape, contiguous or not) or CPU torch tensors, leaves ``x`` unchanged and
-returns a new array of the same kind. ``check=False`` skips the cross-rank argument agreement (for
-benchmarks). The algorithms themselves are in ring.py, recursive.py, binomial.py, naive.py and
-hierarchical.py.
+Each takes numpy arrays (any shape, contiguous or not), CuPy arrays or torch tensors (CPU, or CUDA with
+bfloat16 too), leaves ``x`` unchanged and returns a new array of the same kind. GPU data stay on the GPU
+(``tplab.arrays``) and need a transport that moves GPU memory (``tplab.comm.nccl_world()``,
+``tplab.comm.StagedComm``). ``check=False`` skips the cross-rank argument agreement (for benchmarks).
+The algorithms themselves are in ring.py, recursive.py, binomial.py, naive.py and hierarchical.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tplab.collectives.recursive import (
     recursive_halving_reduce_scatter,
 )
 from tplab.collectives.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from tplab.arrays import array_module, as_array, gpu_scope
+from tplab.bfloat16 import bfloat16_op
 from tplab.blocks import block_bounds, offsets
 from tplab.ops import get_op
 
@@ -42,28 +45,37 @@ ALGORITHMS = {
 }
 
 
-# ---- numpy in, the caller's type out -----------------------------------------------------------------------
-def _as_numpy(x):
-    """Return (numpy view of x, function that converts a numpy result back to x's kind)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        import torch
-
-        if x.device.type != "cpu":
-            raise TypeError(f"tplab's MPI transport works on CPU tensors; got one on {x.device}")
-        if x.dtype == torch.bfloat16:
-            raise TypeError("bfloat16 has no numpy dtype: convert to float32 for the CPU transport")
-        return x.detach().contiguous().numpy(), torch.from_numpy
-    return np.asarray(x), (lambda a: a)
-
-
+# ---- numpy or CuPy in, the caller's type out (tplab.arrays) -------------------------------------------------
 def _flat_input(arr):
     """x as a flat, contiguous, native-endian array: a view of x when it already is one (read only)."""
+    if type(arr) is not np.ndarray:  # CuPy: always native-endian
+        return array_module(arr).ascontiguousarray(arr).reshape(-1)
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")).reshape(-1)
 
 
 def _working_copy(arr):
     """A flat, contiguous copy the algorithm may overwrite (so the caller's x stays unchanged)."""
+    if type(arr) is not np.ndarray:
+        return array_module(arr).array(arr, copy=True, order="C").reshape(-1)
     return np.array(arr, dtype=arr.dtype.newbyteorder("="), copy=True, order="C").reshape(-1)
+
+
+def _on_the_gpu(x, arr, comm):
+    """Where GPU work for ``x`` runs (its device; torch's current stream for a tensor), after checking that
+    the transport moves GPU memory: handing GPU arrays to host MPI would crash or return garbage."""
+    if not comm.moves_gpu_memory:
+        raise TypeError(f"{type(comm).__name__} moves host memory; for GPU arrays use tplab.comm.nccl_world() "
+                        "or tplab.comm.StagedComm")
+    return gpu_scope(x, arr)
+
+
+def _ops(op, bfloat16: bool):
+    """(op for the algorithms, op for the built-in): the bfloat16 variant where the array holds bf16 bits
+    (tplab.bfloat16), which the built-in needs to be told about too."""
+    if bfloat16:
+        reduce_op = bfloat16_op(op)
+        return reduce_op, reduce_op
+    return get_op(op), op
 
 
 def _world_if_none(comm):
@@ -102,34 +114,50 @@ def _resolve(collective, algorithm, nbytes, count, p):
     return chosen
 
 
+# Each public function converts x (tplab.arrays), checks the arguments on every rank, and runs the body
+# directly for host arrays, or inside the GPU's device and stream scope for GPU arrays.
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back = _as_numpy(x)
+    arr, back, bf16 = as_array(x)
     agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"],
                        op=op, check=check)
     algorithm = _resolve("allreduce", algorithm, arr.nbytes, arr.size, comm.size)
+    if type(arr) is np.ndarray:
+        return _allreduce(arr, back, comm, get_op(op), op, algorithm)
+    with _on_the_gpu(x, arr, comm):
+        return _allreduce(arr, back, comm, *_ops(op, bf16), algorithm)
+
+
+def _allreduce(arr, back, comm, reduce_op, builtin_op, algorithm):
     if algorithm == "builtin":
-        return back(comm.builtin_allreduce(arr, op).reshape(arr.shape))
+        return back(comm.builtin_allreduce(arr, builtin_op).reshape(arr.shape))
     source = _flat_input(arr)
     if algorithm in READS_SOURCE and comm.size > 1 and not snapshots.is_recording():
-        buf = np.empty_like(source)  # every element is written before it is read
+        buf = array_module(source).empty_like(source)  # every element is written before it is read
     else:
         buf = source.copy()  # (pictures need the start state in buf; one rank has nothing to do)
         source = buf
     if buf.size:
-        ALLREDUCE_BY_NAME[algorithm](buf, comm, get_op(op), source)
+        ALLREDUCE_BY_NAME[algorithm](buf, comm, reduce_op, source)
     return back(buf.reshape(arr.shape))
 
 
 def reduce_scatter(x, comm=None, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back = _as_numpy(x)
+    arr, back, bf16 = as_array(x)
     agree_on_arguments(comm, "reduce_scatter", arr, algorithm=algorithm,
                        algorithms=ALGORITHMS["reduce_scatter"], op=op, check=check)
     algorithm = _resolve("reduce_scatter", algorithm, arr.nbytes, arr.size, comm.size)
+    if type(arr) is np.ndarray:
+        return _reduce_scatter(arr, back, comm, get_op(op), op, algorithm)
+    with _on_the_gpu(x, arr, comm):
+        return _reduce_scatter(arr, back, comm, *_ops(op, bf16), algorithm)
+
+
+def _reduce_scatter(arr, back, comm, reduce_op, builtin_op, algorithm):
     if algorithm == "builtin":
-        return back(comm.builtin_reduce_scatter(arr, op))
-    buf, reduce_op = _working_copy(arr), get_op(op)
+        return back(comm.builtin_reduce_scatter(arr, builtin_op))
+    buf = _working_copy(arr)
     bounds = block_bounds(buf.size, comm.size)
     if algorithm == "ring":
         return back(ring_reduce_scatter(buf, comm, reduce_op, bounds))
@@ -138,9 +166,16 @@ def reduce_scatter(x, comm=None, op="sum", algorithm="auto", *, check=True):
 
 def allgather(x, comm=None, algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back = _as_numpy(x)
+    arr, back, _ = as_array(x)  # (bfloat16 bits are only moved, never combined)
     agree_on_arguments(comm, "allgather", arr, algorithm=algorithm, algorithms=ALGORITHMS["allgather"],
                        same_shape=False, check=check)
+    if type(arr) is np.ndarray:
+        return _allgather(arr, back, comm, algorithm)
+    with _on_the_gpu(x, arr, comm):
+        return _allgather(arr, back, comm, algorithm)
+
+
+def _allgather(arr, back, comm, algorithm):
     mine = _working_copy(arr)
     # every rank must know every contribution's length to place it (allgatherv): metadata, not counted
     bounds = offsets(comm.allgather_object(mine.size))
@@ -154,9 +189,16 @@ def allgather(x, comm=None, algorithm="auto", *, check=True):
 
 def broadcast(x, comm=None, root=0, algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back = _as_numpy(x)
+    arr, back, _ = as_array(x)
     agree_on_arguments(comm, "broadcast", arr, algorithm=algorithm, algorithms=ALGORITHMS["broadcast"],
                        root=root, check=check)
+    if type(arr) is np.ndarray:
+        return _broadcast(arr, back, comm, root, algorithm)
+    with _on_the_gpu(x, arr, comm):
+        return _broadcast(arr, back, comm, root, algorithm)
+
+
+def _broadcast(arr, back, comm, root, algorithm):
     if algorithm == "builtin":
         return back(comm.builtin_broadcast(arr, root).reshape(arr.shape))
     buf = _working_copy(arr)
@@ -167,15 +209,22 @@ def broadcast(x, comm=None, root=0, algorithm="auto", *, check=True):
 
 def reduce(x, comm=None, root=0, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back = _as_numpy(x)
+    arr, back, bf16 = as_array(x)
     agree_on_arguments(comm, "reduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["reduce"],
                        op=op, root=root, check=check)
+    if type(arr) is np.ndarray:
+        return _reduce(arr, back, comm, get_op(op), op, root, algorithm)
+    with _on_the_gpu(x, arr, comm):
+        return _reduce(arr, back, comm, *_ops(op, bf16), root, algorithm)
+
+
+def _reduce(arr, back, comm, reduce_op, builtin_op, root, algorithm):
     if algorithm == "builtin":
-        out = comm.builtin_reduce(arr, op, root)
+        out = comm.builtin_reduce(arr, builtin_op, root)
         return back(out.reshape(arr.shape)) if comm.rank == root else None
     buf = _working_copy(arr)
     if buf.size:
-        binomial_reduce(buf, comm, get_op(op), root)
+        binomial_reduce(buf, comm, reduce_op, root)
     return back(buf.reshape(arr.shape)) if comm.rank == root else None
 
 

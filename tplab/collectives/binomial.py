@@ -23,7 +23,7 @@ def binomial_reduce(buf, comm, op, root):
     p = comm.size
     rel = (comm.rank - root) % p
     snapshot("start", buf, at_round=0)
-    theirs = scratch("binomial reduce", buf.size, buf.dtype)
+    theirs = scratch("binomial reduce", buf.size, buf.dtype, like=buf)
     mask = 1
     while mask < p:
         if rel & mask:  # my subtree is complete: pass it to my parent and stop

@@ -17,7 +17,7 @@ ROOT = 0
 def naive_allreduce(buf, comm, op):
     snapshot("start", buf, at_round=0)
     if comm.rank == ROOT:
-        theirs = scratch("naive", buf.size, buf.dtype)
+        theirs = scratch("naive", buf.size, buf.dtype, like=buf)
         for source in range(1, comm.size):  # reduce in rank order: ((x0 op x1) op x2) ...
             comm.recv(theirs, source)
             op.combine(buf, theirs, out=buf)

@@ -18,8 +18,7 @@ range they own in the vector, which is how the same loops serve allreduce, reduc
 
 from __future__ import annotations
 
-import numpy as np
-
+from tplab.arrays import array_module
 from tplab.blocks import block_bounds
 from tplab.collectives.fold import PowerOfTwoFold
 from tplab.collectives.scratch import scratch
@@ -44,7 +43,7 @@ def fold_in_by_reducing(buf, comm, op, fold: PowerOfTwoFold, source=None):
         comm.send(source, fold.rank + 1)
         return None
     if fold.absorbs_neighbour:
-        theirs = comm.recv(scratch("fold in", buf.size, buf.dtype), fold.rank - 1)
+        theirs = comm.recv(scratch("fold in", buf.size, buf.dtype, like=buf), fold.rank - 1)
         combine_in_rank_order(op, source, theirs, fold.rank, fold.rank - 1, out=buf)
         snapshot("fold in", buf, at_round=1)
         return buf
@@ -66,7 +65,7 @@ def halving_reduce_scatter(buf, comm, op, fold: PowerOfTwoFold, span, first_roun
     (default ``buf``); every later step reads what the step before wrote to ``buf``."""
     n, lo, hi = fold.newrank, 0, fold.pof2
     mine = buf if source is None else source
-    room = scratch("halving", buf.size, buf.dtype)  # (the first half kept is the largest piece)
+    room = scratch("halving", buf.size, buf.dtype, like=buf)  # (the first half kept is the largest piece)
     mask, step = fold.pof2 // 2, 0
     while mask:
         partner = fold.real_rank(n ^ mask)
@@ -107,7 +106,7 @@ def recursive_doubling_allreduce(buf, comm, op, source=None):
         # Each step receives into one buffer and adds into that same buffer: never into the one just
         # sent, which would make this core wait for the peer's reads of it (cache lines). buf and a
         # scratch buffer take turns, arranged so that the last sum lands in buf.
-        spare = scratch("recursive doubling", buf.size, buf.dtype)
+        spare = scratch("recursive doubling", buf.size, buf.dtype, like=buf)
         steps = fold.pof2.bit_length() - 1
         target = buf if steps % 2 == 1 and mine is not buf else spare
         mask = 1
@@ -119,7 +118,7 @@ def recursive_doubling_allreduce(buf, comm, op, source=None):
             snapshot(f"step (distance {mask})", mine, at_round=2 + mask.bit_length() - 1)
             mask *= 2
         if mine is not buf:
-            np.copyto(buf, mine)
+            array_module(buf).copyto(buf, mine)
     fold_out(buf, comm, fold, at_round=2 + fold.pof2.bit_length() - 1)
     return buf
 
@@ -170,7 +169,7 @@ def recursive_doubling_allgather(mine, comm, bounds):
     def span(a, b):
         return bounds[fold.real_ranks_of(a)[0]], bounds[fold.real_ranks_of(b - 1)[-1] + 1]
 
-    out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
+    out = array_module(mine).zeros(bounds[-1], dtype=mine.dtype)  # zeros: snapshots show "nothing yet"
     out[bounds[r] : bounds[r + 1]] = mine
     snapshot("start", out, at_round=0)
     if fold.sits_out:

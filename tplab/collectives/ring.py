@@ -20,8 +20,7 @@ is written before it is read. (Copying the input first would cost a pass over n 
 
 from __future__ import annotations
 
-import numpy as np
-
+from tplab.arrays import array_module
 from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 
@@ -33,7 +32,8 @@ def ring_reduce_scatter_blocks(buf, comm, op, bounds, source=None) -> None:
     p, r = comm.size, comm.rank
     source = buf if source is None else source
     right, left = (r + 1) % p, (r - 1) % p
-    incoming = scratch("ring incoming", max(bounds[i + 1] - bounds[i] for i in range(p)), buf.dtype)
+    largest_block = max(bounds[i + 1] - bounds[i] for i in range(p))
+    incoming = scratch("ring incoming", largest_block, buf.dtype, like=buf)
 
     def block(array, i):
         i %= p
@@ -80,7 +80,7 @@ def ring_reduce_scatter(buf, comm, op, bounds):
 
 def ring_allgather(mine, comm, bounds):
     """``bounds`` are the offsets of every rank's contribution in the gathered vector."""
-    out = np.zeros(bounds[-1], dtype=mine.dtype)  # zeros, not empty: snapshots show "nothing yet"
+    out = array_module(mine).zeros(bounds[-1], dtype=mine.dtype)  # zeros: snapshots show "nothing yet"
     out[bounds[comm.rank] : bounds[comm.rank + 1]] = mine
     snapshot("start", out, at_round=0)
     ring_allgather_blocks(out, comm, bounds)

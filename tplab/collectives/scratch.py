@@ -6,21 +6,32 @@ can cost more than the transfer itself. MPI libraries and NCCL allocate their st
 so does tplab: one grow-only buffer per purpose, of which each call takes a view. These views are never
 returned to the caller (results always go to fresh arrays), and each purpose has its own name so that
 one algorithm calling another never shares a buffer with it.
+
+GPU arrays get GPU scratch (``like=``: allocated by the input's array module), one per device and
+stream. Reuse is safe there too: every kernel and message of an algorithm is queued on the caller's
+current stream, in order, so one call's last use of a buffer precedes the next call's first.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tplab.arrays import array_module
+
 _buffers: dict[tuple, np.ndarray] = {}
 
 
-def scratch(purpose: str, count: int, dtype) -> np.ndarray:
-    """A reusable 1-D buffer of ``count`` elements of ``dtype`` (contents undefined)."""
-    key = (purpose, np.dtype(dtype).str)
+def scratch(purpose: str, count: int, dtype, like=None) -> np.ndarray:
+    """A reusable 1-D buffer of ``count`` elements of ``dtype`` (contents undefined), in host memory or,
+    when ``like`` is a GPU array, on its device."""
+    if like is None or type(like) is np.ndarray:
+        key, xp = (purpose, np.dtype(dtype).str), np
+    else:
+        xp = array_module(like)
+        key = (purpose, np.dtype(dtype).str, xp.__name__, like.device.id, xp.cuda.get_current_stream().ptr)
     buf = _buffers.get(key)
     if buf is None or buf.size < count:
-        buf = _buffers[key] = np.empty(max(count, 1), dtype=dtype)
+        buf = _buffers[key] = xp.empty(max(count, 1), dtype=dtype)
     return buf[:count]
 
 

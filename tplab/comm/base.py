@@ -70,6 +70,7 @@ class Communicator(abc.ABC):
     _node_ids: list[int] | None = None  # node of every rank, once known
     _node_split = None  # (local, cross), made by the first split_by_node()
     _counts_for = None  # (parent, parent rank of each of my ranks): a node split counts for its parent
+    moves_gpu_memory = False  # True for transports that take CuPy arrays / CUDA tensors (nccl.py, staged.py)
 
     def __init__(self):
         self.bytes_sent = 0
