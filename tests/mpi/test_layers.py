@@ -208,3 +208,50 @@ def test_vocabulary_parallel_embedding_and_lm_head():
     lm_head(mine).logsumexp(-1).sum().backward()
     agree(close(mine.grad, full.grad) and close(lm_head.weight.grad, head.weight.grad.chunk(P, dim=0)[COMM.rank]),
           "LM head gradients differ")
+
+
+# ---- rotary positions and sequence-parallel attention ---------------------------------------------------
+from tplab.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("kv_heads", ["mha", "one"])
+def test_rotary_attention_tensor_and_sequence_parallel_equals_unsplit(sequence_parallel, kv_heads):
+    n, d, b, s = 2 * P, 4, 2, 2 * P
+    kv = n if kv_heads == "mha" else 1
+    h = n * d
+    torch.manual_seed(50)
+    q, o = nn.Linear(h, n * d, dtype=torch.float64), nn.Linear(n * d, h, dtype=torch.float64)
+    k, v = nn.Linear(h, kv * d, dtype=torch.float64), nn.Linear(h, kv * d, dtype=torch.float64)
+    rotary = RotaryEmbedding(d, theta=100.0)
+    attention = ParallelAttention.from_dense(q, k, v, o, n, C, num_kv_heads=kv, rotary=rotary,
+                                             sequence_parallel=sequence_parallel)
+
+    x_full = replicated(b, s, h, seed=51).requires_grad_()
+    Q = q(x_full).view(b, s, n, d).transpose(1, 2)  # the unsplit reference, rotary included
+    K = k(x_full).view(b, s, kv, d).transpose(1, 2)
+    Q, K = rotary(Q, K)
+    V = v(x_full).view(b, s, kv, d).transpose(1, 2)
+    K, V = K.repeat_interleave(n // kv, dim=1), V.repeat_interleave(n // kv, dim=1)
+    y_full = o(nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True).transpose(1, 2).reshape(b, s, h))
+
+    if sequence_parallel:  # (s/p, b, h): my slice of the sequence, in and out
+        x = x_full.detach().transpose(0, 1).chunk(P, dim=0)[COMM.rank].clone().requires_grad_()
+        expected = y_full.transpose(0, 1).chunk(P, dim=0)[COMM.rank]
+    else:
+        x, expected = x_full.detach().clone().requires_grad_(), y_full
+    from tplab.layers import mappings
+
+    mappings.calls.clear()
+    y = attention(x)
+    agree(close(y, expected), f"forward differs by {(y - expected).abs().max()}")
+    want = {"allgather": 1, "reduce_scatter": 1} if sequence_parallel else {"allreduce": 1}
+    agree(dict(mappings.calls) == want, f"counted {dict(mappings.calls)}")
+    y_full.square().sum().backward()
+    y.square().sum().backward()
+    want_dx = x_full.grad.transpose(0, 1).chunk(P, dim=0)[COMM.rank] if sequence_parallel else x_full.grad
+    agree(close(x.grad, want_dx), "dX differs")
+    q_rows = slice(COMM.rank * (n // P) * d, (COMM.rank + 1) * (n // P) * d)
+    agree(close(attention.q_proj.weight.grad, q.weight.grad[q_rows]), "Wq gradient is not the matching slice")
+    agree(close(attention.o_proj.weight.grad, o.weight.grad[:, q_rows]), "Wo gradient is not the matching slice")
+

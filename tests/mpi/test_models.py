@@ -12,6 +12,11 @@ from tplab.models import GPT, GPTConfig, parallelize  # noqa: E402
 P = COMM.size
 C = world(timeout=10)
 
+try:  # seconds to import: here, at collection, rather than inside a test's watchdog
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError:
+    GPT2Config = GPT2LMHeadModel = None
+
 
 @pytest.mark.parametrize("shape", ["gpt2-like", "llama-like"])
 def test_sharded_gpt_gives_the_unsplit_logits(shape):
@@ -39,8 +44,13 @@ def test_shapes_tensor_parallelism_cannot_split():
         parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=2 * P + 1, n_embd=2 * P + 1)), C)
     with pytest.raises(ValueError, match="vocabulary size .* not divisible"):
         parallelize(GPT(GPTConfig(vocab_size=8 * P + 1, n_head=P, n_embd=4 * P)), C)
-    with pytest.raises(NotImplementedError, match="sequence-parallel attention"):
-        parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=P, n_embd=4 * P)), C, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"MLP hidden size \(ffn_size\) = .* not divisible"):
+        parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=P, n_embd=4 * P, ffn_size=4 * P + 1)), C)
+    with pytest.raises(ValueError, match="vocabulary size .*; MLP hidden size"):  # every problem named at once
+        parallelize(GPT(GPTConfig(vocab_size=8 * P + 1, n_head=P, n_embd=4 * P, ffn_size=4 * P + 1)), C)
+    sp = parallelize(GPT(GPTConfig(vocab_size=8 * P, n_head=P, n_embd=4 * P)), C, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence parallelism splits the sequence .* not divisible"):
+        sp(torch.zeros(1, P + 1, dtype=torch.long))
     agree(True)
 
 
@@ -60,12 +70,12 @@ def test_greedy_generation_with_kv_cache_matches_unsplit(n_kv_head):
     agree(same_on_every_rank(sharded.numpy().tobytes()), "ranks generated different tokens")
 
 
+@pytest.mark.skipif(GPT2Config is None, reason="transformers is not installed")
 def test_hugging_face_gpt2_sharded_gives_its_logits():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=8 * P, n_positions=32, n_embd=8 * P, n_layer=2, n_head=2 * P,
+    config = GPT2Config(vocab_size=8 * P, n_positions=32, n_embd=8 * P, n_layer=2, n_head=2 * P,
                                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(70)  # the same random model on every rank: no download
-    hf = transformers.GPT2LMHeadModel(config).double().eval()
+    hf = GPT2LMHeadModel(config).double().eval()
     tokens = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(71))
     with torch.no_grad():
         expected = hf(tokens).logits

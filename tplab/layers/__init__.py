@@ -5,7 +5,10 @@
     linear.py     ColumnParallelLinear, RowParallelLinear (from_linear shards an nn.Linear)
     mlp.py        ParallelMLP: GELU or SwiGLU, tensor- or sequence-parallel (from_dense)
     attention.py  ParallelAttention: heads split over ranks, MHA and GQA (KV heads replicated when
-                  there are fewer than ranks) (from_dense)
+                  there are fewer than ranks), rotary positions, tensor- or sequence-parallel (from_dense)
+    embedding.py  VocabParallelEmbedding, ParallelLMHead (the vocabulary split over ranks)
+    norms.py      RMSNorm as Llama computes it (in float32); LayerNorm is torch's
+    rotary.py     RotaryEmbedding (RoPE), computed as Hugging Face and Meta do
 """
 
 from tplab.layers.attention import ParallelAttention
@@ -20,11 +23,15 @@ from tplab.layers.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from tplab.layers.mlp import ParallelMLP
+from tplab.layers.norms import RMSNorm
+from tplab.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
     "ParallelAttention",
     "ParallelMLP",
+    "RMSNorm",
+    "RotaryEmbedding",
     "RowParallelLinear",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",

@@ -11,6 +11,11 @@ k >= p, the KV heads are split like the query heads (k/p per rank). If k < p the
 round: the KV heads are *replicated*, each rank holding the one its query heads use (so p must be a
 multiple of k). Replicated KV weights get only their own heads' share of the gradient on each rank; this
 is what inference needs (training would sum those shares over the ranks that share a KV head).
+
+Rotary position embeddings (``rotary=RotaryEmbedding(d)``, Llama) rotate each head's q and k on its own
+rank: nothing to communicate. Sequence parallelism (``sequence_parallel=True``): the input arrives as
+this rank's slice of the sequence, (s/p, b, h); f becomes an all-gather along the sequence (attention
+needs every position), and g a reduce-scatter that leaves each rank its slice of the output, (s/p, b, h).
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tplab.layers.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from tplab.layers.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 def attend(q, k, v):
@@ -29,6 +39,11 @@ def attend(q, k, v):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(diagonal=total - new)
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def past_length(cache) -> int:
+    """How many positions the cache already holds (0 without one): the position of the first new token."""
+    return cache["k"].shape[2] if cache and "k" in cache else 0
 
 
 def extend_cache(cache, k, v):
@@ -59,12 +74,13 @@ def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int
 
 class ParallelAttention(nn.Module):
     def __init__(self, hidden_size, num_heads, comm, num_kv_heads=None, causal=True, bias=False,
-                 algorithm="auto", dtype=None):
+                 algorithm="auto", dtype=None, rotary=None, sequence_parallel=False):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
         self.comm, self.causal, self.algorithm = comm, causal, algorithm
+        self.rotary, self.sequence_parallel = rotary, sequence_parallel
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, hidden_size // num_heads
         self.local_heads, self.local_kv_heads = heads_per_rank(num_heads, num_kv_heads, comm.size)
         d = self.head_dim
@@ -84,11 +100,13 @@ class ParallelAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear,
-                   num_heads, comm, num_kv_heads=None, causal=True, algorithm="auto") -> "ParallelAttention":
+                   num_heads, comm, num_kv_heads=None, causal=True, algorithm="auto", rotary=None,
+                   sequence_parallel=False) -> "ParallelAttention":
         """Shard unsplit projections (q: h -> n·d, k and v: h -> k·d, o: n·d -> h)."""
         bias = q_proj.bias is not None
         layer = cls(q_proj.in_features, num_heads, comm, num_kv_heads=num_kv_heads, causal=causal, bias=bias,
-                    algorithm=algorithm, dtype=q_proj.weight.dtype)
+                    algorithm=algorithm, dtype=q_proj.weight.dtype, rotary=rotary,
+                    sequence_parallel=sequence_parallel)
         d = layer.head_dim
         q_rows = slice(layer.my_heads()[0] * d, (layer.my_heads()[-1] + 1) * d)
         kv_rows = slice(layer.my_kv_heads()[0] * d, (layer.my_kv_heads()[-1] + 1) * d)
@@ -105,13 +123,21 @@ class ParallelAttention(nn.Module):
                 layer.o_bias = nn.Parameter(o_proj.bias.detach().clone())
         return layer
 
-    def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank; cache: my heads' past K, V
+    def forward(self, x, cache=None):
+        """x: (b, s, h), the same on every rank; under sequence parallelism (s/p, b, h), my slice of the
+        sequence. cache: a dict holding my heads' past K and V (generation), or None."""
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.comm, self.algorithm)  # (s, b, h), all of it
+            x = x.transpose(0, 1).contiguous()  # (b, s, h): one copy, which the projections share
+        else:
+            x = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # f
         b, s, _ = x.shape
         d = self.head_dim
-        x = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # f
         q = self.q_proj(x).view(b, s, self.local_heads, d).transpose(1, 2)  # (b, n/p, s, d)
         k = self.k_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)  # (b, k/p, s, d)
         v = self.v_proj(x).view(b, s, self.local_kv_heads, d).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, first_position=past_length(cache))
         k, v = extend_cache(cache, k, v)  # (b, k/p, past + s, d)
         repeat = self.local_heads // self.local_kv_heads  # each KV head serves this many query heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (b, n/p, s, d)
@@ -120,5 +146,8 @@ class ParallelAttention(nn.Module):
         else:
             out = nn.functional.scaled_dot_product_attention(q, k, v)
         partial = self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))  # (b, s, h), partial
-        y = reduce_from_tensor_parallel_region(partial, self.comm, self.algorithm)  # g
+        if self.sequence_parallel:  # sum over ranks and keep my slice of the sequence: (s/p, b, h)
+            y = reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1), self.comm, self.algorithm)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.comm, self.algorithm)  # g
         return y + self.o_bias if self.o_bias is not None else y

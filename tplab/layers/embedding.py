@@ -34,12 +34,16 @@ class VocabParallelEmbedding(nn.Module):
             layer.weight.copy_(embedding.weight[layer.first:layer.first + layer.rows])
         return layer
 
-    def forward(self, tokens):  # tokens: (b, s) integers, the same on every rank
+    def local(self, tokens):
+        """This rank's share of the lookup, no communication: the rows it holds, zeros for the others.
+        (Summed over ranks it is the full lookup: g all-reduces it; sequence parallelism reduce-scatters.)"""
         local = tokens - self.first
         outside = (local < 0) | (local >= self.rows)
-        found = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
-        found = found.masked_fill(outside.unsqueeze(-1), 0.0)  # rows another rank holds: zero here
-        return reduce_from_tensor_parallel_region(found, self.comm, self.algorithm)  # g: the one nonzero
+        found = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (..., h)
+        return found.masked_fill(outside.unsqueeze(-1), 0.0)  # rows another rank holds: zero here
+
+    def forward(self, tokens):  # tokens: (b, s) integers, the same on every rank
+        return reduce_from_tensor_parallel_region(self.local(tokens), self.comm, self.algorithm)  # g
 
 
 class ParallelLMHead(ColumnParallelLinear):

@@ -1,5 +1,5 @@
 """A small GPT in one readable file (after nanoGPT): the unsplit reference the tensor-parallel version
-must match exactly. GQA, SwiGLU and RMSNorm switches make it Llama-shaped too.
+must match exactly. GQA, SwiGLU, RMSNorm and rotary-position switches make it a Llama too.
 
     config = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_embd=32)
     model = GPT(config)
@@ -14,31 +14,59 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tplab.layers.attention import attend, extend_cache
+from tplab.layers.attention import attend, extend_cache, past_length
+from tplab.layers.norms import RMSNorm
+from tplab.layers.rotary import RotaryEmbedding
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 64
-    block_size: int = 32  # longest sequence (learned positions)
+    block_size: int = 32  # longest sequence
     n_layer: int = 2
     n_head: int = 4
     n_kv_head: int | None = None  # None: n_head (multi-head attention); fewer: grouped-query attention
     n_embd: int = 32
+    ffn_size: int | None = None  # the MLP's hidden size; None: 4 x n_embd (GPT-2); Llama's is its own
     mlp: str = "gelu"  # "gelu_tanh" (GPT-2's tanh approximation) or "swiglu" (Llama)
     norm: str = "layernorm"  # or "rmsnorm" (Llama)
+    norm_eps: float | None = None  # None: 1e-5 (LayerNorm), 1e-6 (RMSNorm)
+    norm_dtype: torch.dtype | None = None  # RMSNorm computed in this dtype (Llama: float32); None: the model's
+    position: str = "learned"  # "learned" (GPT-2: a table of block_size rows) or "rope" (Llama)
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2, small Llamas)
     bias: bool = True
     dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        for name, value, allowed in [("mlp", self.mlp, ("gelu", "gelu_tanh", "swiglu")),
+                                     ("norm", self.norm, ("layernorm", "rmsnorm")),
+                                     ("position", self.position, ("learned", "rope"))]:
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name} = {value!r}: one of {allowed}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.norm_dtype is not None and self.norm != "rmsnorm":
+            raise ValueError("norm_dtype applies to RMSNorm only")
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
+    @property
+    def ffn(self) -> int:
+        return self.ffn_size or 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
 
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, dtype=config.dtype)
-    return nn.LayerNorm(config.n_embd, dtype=config.dtype)
+        eps = 1e-6 if config.norm_eps is None else config.norm_eps
+        return RMSNorm(config.n_embd, eps=eps, compute_dtype=config.norm_dtype, dtype=config.dtype)
+    return nn.LayerNorm(config.n_embd, eps=1e-5 if config.norm_eps is None else config.norm_eps, dtype=config.dtype)
 
 
 class Attention(nn.Module):
@@ -50,12 +78,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv_head * d, bias=config.bias, dtype=config.dtype)
         self.v_proj = nn.Linear(h, self.n_kv_head * d, bias=config.bias, dtype=config.dtype)
         self.o_proj = nn.Linear(config.n_head * d, h, bias=config.bias, dtype=config.dtype)
+        self.rotary = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
 
     def forward(self, x, cache=None):  # (b, s, h); cache: this layer's dict of past keys and values
         b, s, h = x.shape
         q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)  # (b, n, s, d)
         k = self.k_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
         v = self.v_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:  # rotate q and k by their positions (after those already cached)
+            q, k = self.rotary(q, k, first_position=past_length(cache))
         k, v = extend_cache(cache, k, v)  # (b, kv, past + s, d)
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, past + s, d)
@@ -66,11 +97,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        h = config.n_embd
+        h, ffn = config.n_embd, config.ffn
         self.activation = config.mlp
-        self.up = nn.Linear(h, 4 * h, bias=config.bias, dtype=config.dtype)
-        self.gate = nn.Linear(h, 4 * h, bias=config.bias, dtype=config.dtype) if config.mlp == "swiglu" else None
-        self.down = nn.Linear(4 * h, h, bias=config.bias, dtype=config.dtype)
+        self.up = nn.Linear(h, ffn, bias=config.bias, dtype=config.dtype)
+        self.gate = nn.Linear(h, ffn, bias=config.bias, dtype=config.dtype) if config.mlp == "swiglu" else None
+        self.down = nn.Linear(ffn, h, bias=config.bias, dtype=config.dtype)
 
     def forward(self, x):  # (b, s, h)
         if self.gate is None:
@@ -95,17 +126,23 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, dtype=config.dtype)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd, dtype=config.dtype)
+        if config.position == "learned":
+            self.wpe = nn.Embedding(config.block_size, config.n_embd, dtype=config.dtype)
+        else:
+            self.wpe = None  # rotary: positions rotate q and k inside attention
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, dtype=config.dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one (vocab, h) table, read both ways
 
     def forward(self, tokens, caches=None):  # (b, s) integers; caches: one dict per block, or None
-        past = caches[0]["k"].shape[2] if caches and "k" in caches[0] else 0
+        past = past_length(caches[0] if caches else None)
         if past + tokens.shape[1] > self.config.block_size:
             raise ValueError(f"{past + tokens.shape[1]} positions exceed block_size {self.config.block_size}")
-        positions = torch.arange(past, past + tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(positions)  # (b, s, h)
+        x = self.wte(tokens)  # (b, s, h)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(past, past + tokens.shape[1], device=tokens.device))
         for i, block in enumerate(self.blocks):
             x = block(x, caches[i] if caches else None)
         return self.lm_head(self.norm_f(x))  # (b, s, vocab)
@@ -115,12 +152,22 @@ class GPT(nn.Module):
 def generate(model, tokens, max_new_tokens: int, use_cache: bool = True):
     """Greedy decoding: append the most likely next token ``max_new_tokens`` times. With the KV cache
     each step feeds only the newest token (the keys and values of the others are kept); without it,
-    each step recomputes the whole sequence. Works for GPT and its tensor-parallel copy alike."""
+    each step recomputes the whole sequence. Works for GPT and its tensor-parallel copy alike; a
+    sequence-parallel copy runs the steps whose length splits over the ranks (the prompt) sequence-
+    parallel and the others (one new token) tensor-parallel, with the same weights."""
     caches = [{} for _ in model.blocks] if use_cache else None
+    sequence_parallel = getattr(model, "sequence_parallel", False)
     out, step_input = tokens, tokens
-    for _ in range(max_new_tokens):
-        logits = model(step_input if use_cache else out, caches)  # (b, s, vocab)
-        next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
-        out = torch.cat([out, next_token], dim=1)
-        step_input = next_token
+    try:
+        for _ in range(max_new_tokens):
+            inputs = step_input if use_cache else out
+            if sequence_parallel:
+                model.sequence_parallel = inputs.shape[1] % model.comm.size == 0
+            logits = model(inputs, caches)  # (b, s, vocab)
+            next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
+            out = torch.cat([out, next_token], dim=1)
+            step_input = next_token
+    finally:
+        if sequence_parallel:
+            model.sequence_parallel = True
     return out
