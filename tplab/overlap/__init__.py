@@ -1,0 +1,59 @@
+"""tplab.overlap — communication that runs while the ranks compute, and timelines that show it.
+
+    nonblocking.py        iallreduce / ireduce_scatter / iallgather -> Handle (wait, test), for every
+                          hand-written algorithm: a progress thread per communicator (host memory)
+    streams.py            the same for CUDA tensors: the collective on a side stream, events between
+    mpi_progress.py       why MPI's own MPI_Iallreduce hides nothing unless something drives its progress
+    chunked_mlp.py        OverlappedMLP (tensor- and sequence-parallel), OverlappedRowParallelLinear:
+                          k chunks of tokens, chunk i's collective overlapping chunk i+1's compute
+    chunked_attention.py  OverlappedAttention (query blocks), OverlappedBlock (attention and MLP
+                          pipelined across the block), overlapped(layer, k)
+    pipeline.py           chunk bounds; finished collectives wired back into autograd
+    nullcomm.py           NullComm / without_communication: the layer with its collectives as no-ops
+    trace.py              Tracer: per-rank compute / comm / wait intervals, a DataFrame, Chrome trace JSON
+    metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts
+
+    h = iallreduce(x, comm, algorithm="ring"); ...compute...; y = h.wait()
+    fast = overlapped(parallel_mlp, chunks=4)          # equal to parallel_mlp(x) to rounding
+    df = overlap_sweep(layer, x, comm, [1, 2, 4, 8])   # exposed_ms, hidden_fraction per chunk count
+"""
+
+from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock, overlapped
+from tplab.overlap.chunked_mlp import OverlappedMLP, OverlappedRowParallelLinear
+from tplab.overlap.metrics import collectives_of, overlap_sweep, time_forward
+from tplab.overlap.mpi_progress import progress_experiment
+from tplab.overlap.nonblocking import (
+    Handle,
+    iallgather,
+    iallreduce,
+    ireduce_scatter,
+    running_threads,
+    shutdown,
+    waitall,
+)
+from tplab.overlap.nullcomm import NullComm, without_communication
+from tplab.overlap.trace import Tracer, chrome_trace, write_chrome_trace
+
+__all__ = [
+    "Handle",
+    "NullComm",
+    "OverlappedAttention",
+    "OverlappedBlock",
+    "OverlappedMLP",
+    "OverlappedRowParallelLinear",
+    "Tracer",
+    "chrome_trace",
+    "collectives_of",
+    "iallgather",
+    "iallreduce",
+    "ireduce_scatter",
+    "overlap_sweep",
+    "overlapped",
+    "progress_experiment",
+    "running_threads",
+    "shutdown",
+    "time_forward",
+    "waitall",
+    "without_communication",
+    "write_chrome_trace",
+]

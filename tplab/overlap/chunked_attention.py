@@ -1,0 +1,175 @@
+"""Chunked pipelining for attention, and for a whole transformer block across its two halves.
+
+Attention (tensor parallel, heads split): Q, K, V are projected for the whole sequence (every query
+needs every earlier key), then the *queries* are cut into k blocks. Query block i's attention and output
+projection give rows i of this rank's partial output, whose all-reduce runs while block i+1 is computed:
+
+    compute  [QKV][attn+proj q-block 0][q-block 1][q-block 2][q-block 3]
+    comm                               [ar 0]     [ar 1]     [ar 2]     [ar 3]
+
+(causal: query block i attends to keys 0..end of block i, so later blocks cost more.)
+
+A block (x + attention(norm1(x)), then + mlp(norm2(x))) pipelines across its halves: the MLP works token
+by token, so the MLP of rows i may start as soon as rows i of the attention output have been reduced --
+while attention block i+1 is computed. Then only the MLP's last all-reduce is left exposed:
+
+    compute  [attn 0][attn 1][mlp 0][attn 2][mlp 1][attn 3][mlp 2][mlp 3]
+    comm             [ar a0] [ar a1][ar m0] [ar a2][ar m1] [ar a3][ar m2][ar m3]
+
+This is "overlap across layers where the math allows": the data dependence is per token, so it allows.
+Generation with a KV cache (one new token: nothing to cut) runs the wrapped layer unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tplab.layers import mappings
+from tplab.layers.attention import attend
+from tplab.layers.mappings import copy_to_tensor_parallel_region
+from tplab.overlap import trace
+from tplab.overlap.chunked_mlp import OverlappedMLP
+from tplab.overlap.nonblocking import iallreduce
+from tplab.overlap.pipeline import arrived, chunk_bounds, count, identity
+
+
+def _tensor_parallel_only(attention, what):
+    if attention.sequence_parallel:
+        raise NotImplementedError(f"{what}: overlap for sequence-parallel attention is not implemented (the "
+                                  "reduce-scatter of a query block does not give each rank its own slice); "
+                                  "use the tensor-parallel layer, or OverlappedMLP for the sequence-parallel MLP")
+
+
+class _QueryBlocks:
+    """Q, K, V of this rank's heads for the whole sequence, and attention + output projection by query block."""
+
+    def __init__(self, attention, x):  # x: (b, s, h), after f
+        a, (b, s, _) = attention, x.shape
+        d = a.head_dim
+        q = a.q_proj(x).view(b, s, a.local_heads, d).transpose(1, 2)  # (b, n/p, s, d)
+        k = a.k_proj(x).view(b, s, a.local_kv_heads, d).transpose(1, 2)  # (b, k/p, s, d)
+        v = a.v_proj(x).view(b, s, a.local_kv_heads, d).transpose(1, 2)
+        if a.rotary is not None:
+            q, k = a.rotary(q, k, first_position=0)
+        repeat = a.local_heads // a.local_kv_heads
+        self.q, self.k, self.v = q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        self.attention, self.batch = a, b
+
+    def partial(self, start, end):
+        """This rank's share of the attention output for query positions start..end: (b, end - start, h)."""
+        a, q = self.attention, self.q[:, :, start:end]
+        if a.causal:
+            out = attend(q, self.k[:, :, :end], self.v[:, :, :end])  # queries = the last positions of the keys
+        else:
+            out = nn.functional.scaled_dot_product_attention(q, self.k, self.v)
+        return a.o_proj(out.transpose(1, 2).reshape(self.batch, end - start, a.local_heads * a.head_dim))
+
+
+class OverlappedAttention(nn.Module):
+    """A (tensor-parallel) ParallelAttention whose output all-reduce is pipelined over query blocks."""
+
+    def __init__(self, attention, chunks: int = 4):
+        super().__init__()
+        _tensor_parallel_only(attention, "OverlappedAttention")
+        self.attention, self.chunks = attention, chunks
+
+    @property
+    def comm(self):
+        return self.attention.comm
+
+    def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank
+        a = self.attention
+        if cache is not None:
+            return a(x, cache)
+        x = copy_to_tensor_parallel_region(x, a.comm, a.algorithm)  # f
+        with trace.span("QKV projection"):
+            blocks = _QueryBlocks(a, x)
+        handles, partials = [], []
+        for i, (start, end) in enumerate(chunk_bounds(x.shape[1], self.chunks)):
+            with trace.span(f"attention q-block {i}"):
+                partial = blocks.partial(start, end)  # (b, s_i, h)
+            count("allreduce")
+            handles.append(iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=mappings.check_arguments))
+            partials.append(partial)
+        y = torch.cat([arrived(p, h.wait(), identity) for p, h in zip(partials, handles)], dim=1)  # (b, s, h)
+        return y + a.o_bias if a.o_bias is not None else y
+
+
+class OverlappedBlock(nn.Module):
+    """A tensor-parallel transformer block (tplab.models' ParallelBlock, or its four parts) pipelined over
+    ``chunks`` blocks of the sequence, attention's all-reduces overlapping attention, the MLP's the MLP."""
+
+    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4):
+        super().__init__()
+        _tensor_parallel_only(attention, "OverlappedBlock")
+        if mlp.sequence_parallel:
+            raise NotImplementedError("OverlappedBlock: tensor-parallel blocks only")
+        self.norm1, self.attention, self.norm2, self.mlp, self.chunks = norm1, attention, norm2, mlp, chunks
+        self._mlp = OverlappedMLP(mlp)
+
+    @classmethod
+    def from_block(cls, block, chunks: int = 4) -> "OverlappedBlock":
+        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks)
+
+    @property
+    def comm(self):
+        return self.attention.comm
+
+    def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank
+        a, mlp = self.attention, self.mlp
+        if cache is not None:  # one token at a time: nothing to pipeline
+            x = x + a(self.norm1(x), cache)
+            return x + mlp(self.norm2(x))
+        check = mappings.check_arguments
+        xa = copy_to_tensor_parallel_region(self.norm1(x), a.comm, a.algorithm)  # f of attention
+        with trace.span("QKV projection"):
+            blocks = _QueryBlocks(a, xa)
+        bounds = chunk_bounds(x.shape[1], self.chunks)
+        attn, mlp_out = [], []  # per chunk: (partial, handle)
+
+        def attention_chunk(i):
+            with trace.span(f"attention q-block {i}"):
+                partial = blocks.partial(*bounds[i])  # (b, s_i, h)
+            count("allreduce")
+            attn.append((partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check)))
+
+        def mlp_chunk(i):  # needs chunk i's attention all-reduce: started one attention chunk ago
+            partial, handle = attn[i]
+            y = arrived(partial, handle.wait(), identity)
+            y = y + a.o_bias if a.o_bias is not None else y
+            x1 = x[:, bounds[i][0]:bounds[i][1]] + y  # (b, s_i, h): after the attention residual
+            hidden = copy_to_tensor_parallel_region(self.norm2(x1), mlp.comm, mlp.algorithm)  # f of the MLP
+            with trace.span(f"MLP chunk {i}"):
+                part = self._mlp.partial(hidden)  # (b, s_i, h)
+            count("allreduce")
+            mlp_out.append((x1, part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
+
+        for i in range(len(bounds)):
+            attention_chunk(i)
+            if i > 0:
+                mlp_chunk(i - 1)
+        mlp_chunk(len(bounds) - 1)
+        outs = []
+        for x1, part, handle in mlp_out:
+            y = arrived(part, handle.wait(), identity)
+            outs.append(x1 + (y + mlp.down.bias if mlp.down.bias is not None else y))
+        return torch.cat(outs, dim=1)  # (b, s, h)
+
+
+def overlapped(module, chunks: int = 4):
+    """The overlapped version of a tplab layer: ParallelMLP, RowParallelLinear, ParallelAttention, or a
+    ParallelBlock (tplab.models)."""
+    from tplab.layers import ParallelAttention, ParallelMLP, RowParallelLinear
+    from tplab.overlap.chunked_mlp import OverlappedRowParallelLinear
+
+    if isinstance(module, ParallelMLP):
+        return OverlappedMLP(module, chunks)
+    if isinstance(module, RowParallelLinear):
+        return OverlappedRowParallelLinear(module, chunks)
+    if isinstance(module, ParallelAttention):
+        return OverlappedAttention(module, chunks)
+    if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
+        return OverlappedBlock.from_block(module, chunks)
+    raise TypeError(f"no overlapped version of {type(module).__name__}: ParallelMLP, RowParallelLinear, "
+                    "ParallelAttention or a ParallelBlock")

@@ -1,0 +1,115 @@
+"""How much communication did the overlap hide? Exposed time and hidden fraction, over chunk counts.
+
+    exposed communication  = time(layer with comm) - time(layer without comm)
+    hidden fraction        = 1 - exposed / time(the same collectives alone)
+
+"Without comm" is the layer as it is, its collectives no-ops (nullcomm.py); "the same collectives alone"
+are the collectives the unchunked layer runs, replayed back to back on the real communicator. Without
+overlap, exposed = the whole communication time and the hidden fraction is about 0; perfect overlap
+gives exposed = 0 and a hidden fraction of 1. The baseline without comm is the *unchunked* layer, so the
+cost of chunking itself (smaller, less efficient GEMMs; per-chunk overheads) counts as exposed: that is
+what a user pays. ``compute_chunked_ms`` shows that part alone.
+
+Timing: every iteration starts after a barrier; a rank's time is its median over ``iters``, a point's
+time the slowest rank's (the ranks wait for each other in the collectives anyway). On GPUs the time is
+measured with CUDA events (``cuda=True``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import tplab
+from tplab.layers import mappings
+from tplab.overlap.chunked_attention import overlapped
+from tplab.overlap.nullcomm import without_communication
+
+
+def time_forward(forward, comm, *, iters=10, warmup=2, cuda=False) -> float:
+    """Seconds per call of ``forward()``: the slowest rank's median over ``iters`` (after ``warmup``)."""
+    times = []
+    for i in range(warmup + iters):
+        if cuda:
+            torch.cuda.synchronize()
+        comm.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            forward()
+            seconds = time.perf_counter() - t
+        if i >= warmup:
+            times.append(seconds)
+    return max(comm.allgather_object(statistics.median(times)))
+
+
+def collectives_of(layer, x) -> list[tuple]:
+    """The collectives one forward pass of ``layer`` runs: (name, shape, dtype, device) each."""
+    with torch.no_grad(), without_communication(layer) as null:
+        layer(x)
+    return null.log
+
+
+def replay(log, comm, algorithm="auto"):
+    """Run the collectives in ``log`` (collectives_of) back to back on ``comm`` (a function to time)."""
+    inputs = [(name, torch.randn(shape, dtype=dtype, device=device)) for name, shape, dtype, device in log]
+
+    def run():
+        for name, x in inputs:
+            if hasattr(comm, f"tensor_{name}"):
+                getattr(comm, f"tensor_{name}")(x)
+            else:
+                getattr(tplab, name)(x, comm, algorithm=algorithm, check=False)
+
+    return run
+
+
+def _algorithm_of(layer) -> str:
+    return next((m.algorithm for m in layer.modules() if hasattr(m, "algorithm")), "auto")
+
+
+def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup=2, cuda=False, progress=True,
+                  make_overlapped=overlapped):
+    """Exposed communication and hidden fraction of ``layer`` (a tplab TP layer: ParallelMLP,
+    ParallelAttention, RowParallelLinear, ParallelBlock) on input ``x``, pipelined over each chunk count.
+    Collective (run on every rank); a DataFrame, one row per chunk count, the same on every rank."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    def timed(fn):
+        return time_forward(fn, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3  # ms
+
+    algorithm = _algorithm_of(layer)
+    was_checking, mappings.check_arguments = mappings.check_arguments, False  # no agreement rounds while timing
+    try:
+        with torch.no_grad():
+            with without_communication(layer):
+                compute_ms = timed(lambda: layer(x))
+            comm_ms = timed(replay(collectives_of(layer, x), comm, algorithm))
+            no_overlap_ms = timed(lambda: layer(x))
+            rows = []
+            for k in tqdm(chunk_counts, desc="chunk counts", disable=not progress or comm.rank != 0):
+                chunked = make_overlapped(layer, k)
+                with without_communication(layer):
+                    compute_chunked_ms = timed(lambda: chunked(x))
+                comm_chunked_ms = timed(replay(collectives_of(chunked, x), comm, algorithm))
+                overlapped_ms = timed(lambda: chunked(x))
+                exposed = overlapped_ms - compute_ms
+                rows.append({
+                    "layer": type(layer).__name__, "chunks": k, "ranks": comm.size, "algorithm": algorithm,
+                    "tokens": x.shape[:-1].numel(), "hidden": x.shape[-1], "dtype": str(x.dtype).replace("torch.", ""),
+                    "compute_ms": compute_ms, "compute_chunked_ms": compute_chunked_ms, "comm_ms": comm_ms,
+                    "comm_chunked_ms": comm_chunked_ms, "no_overlap_ms": no_overlap_ms, "overlapped_ms": overlapped_ms,
+                    "exposed_no_overlap_ms": no_overlap_ms - compute_ms, "exposed_ms": exposed,
+                    "hidden_fraction": 1 - exposed / comm_ms, "iters": iters})
+    finally:
+        mappings.check_arguments = was_checking
+    return pd.DataFrame(rows)
