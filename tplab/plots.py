@@ -2,6 +2,7 @@
 
     draw_allreduce_steps(traces)   which rank's contribution sits where after each step (from a real run)
     plot_times(df)                 time vs message size, one line per algorithm (log-log)
+    plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
 """
 
 from __future__ import annotations
@@ -125,6 +126,36 @@ def plot_speedup(df, baseline="builtin", title=None, ax=None):
     ax.set_ylabel(f"speed relative to {baseline}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+TIMELINE_COLORS = {"compute": "tab:blue", "comm": "tab:orange", "wait": "tab:red"}
+
+
+def plot_timeline(df, title=None, ax=None, colors=None):
+    """A Gantt chart of traced intervals (``tplab.overlap.Tracer.gather()``: rank, lane, kind, start, end in
+    seconds): one row per rank and lane (the main thread, the progress thread or a CUDA stream), bars
+    coloured by kind (compute, comm, wait). What overlapped sits one above the other; red is time a
+    rank stood still waiting for its communication."""
+    colors = {**TIMELINE_COLORS, **(colors or {})}
+    rows = sorted({(r, lane) for r, lane in zip(df["rank"], df["lane"])}, key=lambda k: (k[0], k[1] != "main", k[1]))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.3), constrained_layout=True)
+    else:
+        fig = ax.figure
+    row_of = {key: i for i, key in enumerate(rows)}
+    for kind, group in df.groupby("kind", sort=False):
+        y = [row_of[(r, lane)] for r, lane in zip(group["rank"], group["lane"])]
+        ax.barh(y, (group["end"] - group["start"]) * 1e3, left=group["start"] * 1e3, height=0.7,
+                color=colors.get(kind, "tab:gray"), edgecolor="black", linewidth=0.3, label=kind)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     if title:
         ax.set_title(title)
     return fig

@@ -31,7 +31,7 @@ from tplab.overlap.nonblocking import (
     shutdown,
     waitall,
 )
-from tplab.overlap.nullcomm import NullComm, without_communication
+from tplab.overlap.nullcomm import NullComm, with_comm, without_communication
 from tplab.overlap.trace import Tracer, chrome_trace, write_chrome_trace
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "shutdown",
     "time_forward",
     "waitall",
+    "with_comm",
     "without_communication",
     "write_chrome_trace",
 ]

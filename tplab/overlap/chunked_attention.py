@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from tplab.layers import mappings
-from tplab.layers.attention import attend
 from tplab.layers.mappings import copy_to_tensor_parallel_region
 from tplab.overlap import trace
 from tplab.overlap.chunked_mlp import OverlappedMLP
@@ -59,8 +59,10 @@ class _QueryBlocks:
     def partial(self, start, end):
         """This rank's share of the attention output for query positions start..end: (b, end - start, h)."""
         a, q = self.attention, self.q[:, :, start:end]
-        if a.causal:
-            out = attend(q, self.k[:, :, :end], self.v[:, :, :end])  # queries = the last positions of the keys
+        if a.causal:  # the queries are the last positions of the keys 0..end: a lower-right causal mask,
+            # which PyTorch's flash / memory-efficient kernels take as it is (no (s_i, end) mask in memory)
+            mask = causal_lower_right(end - start, end)
+            out = nn.functional.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], attn_mask=mask)
         else:
             out = nn.functional.scaled_dot_product_attention(q, self.k, self.v)
         return a.o_proj(out.transpose(1, 2).reshape(self.batch, end - start, a.local_heads * a.head_dim))

@@ -46,6 +46,7 @@ from tplab.collectives import ALGORITHMS, allgather, allreduce, reduce_scatter
 from tplab.collectives import scratch as _scratch
 from tplab.collectives.checks import agree_on_arguments
 from tplab.arrays import as_array, is_torch
+from tplab.comm.base import Communicator
 from tplab.overlap import trace
 
 
@@ -129,19 +130,43 @@ if not isinstance(_scratch._buffers, _PerThreadScratch):
     _scratch._buffers = _PerThreadScratch()
 
 
-def _duplicate(comm):
-    """A communicator with the same ranks and its own message context (collective)."""
-    twin = comm.with_timeout(comm.timeout) if hasattr(comm, "with_timeout") else comm.split(0)
+NO_DEADLINE = 10.0 * 365 * 24 * 3600  # a "timeout" that never expires: polite waiting, no deadline
+
+
+def oversubscribed(comm) -> bool:
+    """Fewer cores on this machine than two per rank (the computing thread and the progress thread).
+    Collective the first time (finds the nodes)."""
+    import os
+
+    nodes = comm.node_ids()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 2 * nodes.count(nodes[comm.rank]) > (cores or 1)
+
+
+def _duplicate(comm, yield_cpu):
+    """A communicator with the same ranks and its own message context (collective). With ``yield_cpu``
+    its waits poll and sleep instead of spinning inside MPI (tplab.comm.mpi's waits with a timeout)."""
+    timeout = comm.timeout if comm.timeout is not None or not yield_cpu else NO_DEADLINE
+    twin = comm.with_timeout(timeout) if hasattr(comm, "with_timeout") else comm.split(0)
     twin._counts_for = (comm, list(range(comm.size)))  # what the thread sends counts on comm too
     return twin
 
 
 class ProgressEngine:
-    """The thread that runs ``comm``'s nonblocking collectives, one after another, in the order started."""
+    """The thread that runs ``comm``'s nonblocking collectives, one after another, in the order started.
 
-    def __init__(self, comm):
+    ``yield_cpu``: a rank waiting inside MPI spins on its core (MPICH, Open MPI: lowest latency). When the
+    ranks outnumber the cores (a laptop), the spinning thread takes the core from the computation it is
+    meant to overlap, so by default (None) the thread then polls and sleeps between polls instead
+    (a little latency: the sleep grows from 1 µs to at most 1 ms while nothing arrives)."""
+
+    def __init__(self, comm, yield_cpu: bool | None = None):
         require_thread_multiple()
-        self.comm = _duplicate(comm)  # collective: every rank makes its engine at the same point
+        if not isinstance(comm, Communicator):  # an adapter with its own collectives (torch.distributed): as is
+            self.comm, self.yield_cpu = comm, False
+        else:
+            self.yield_cpu = oversubscribed(comm) if yield_cpu is None else yield_cpu
+            self.comm = _duplicate(comm, self.yield_cpu)  # collective: every rank makes its engine at one point
         self.rank = comm.rank
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._broken: BaseException | None = None
@@ -192,13 +217,16 @@ _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+yield_cpu = None  # progress threads poll and sleep instead of spinning: True, False, None = when oversubscribed
+
+
 def engine_for(comm) -> ProgressEngine:
     """The progress engine of ``comm``, made on first use (collective then: all ranks start their first
     nonblocking collective on ``comm`` together, which they must anyway)."""
     with _lock:
         engine = _engines.get(comm)
         if engine is None or not engine.thread.is_alive():
-            engine = _engines[comm] = ProgressEngine(comm)
+            engine = _engines[comm] = ProgressEngine(comm, yield_cpu)
             weakref.finalize(comm, engine._queue.put, None)  # comm gone: let the thread end
         return engine
 
@@ -238,6 +266,9 @@ def _start(name, x, comm, algorithm, check, run, **check_args):
         from tplab.overlap.streams import start_on_side_stream
 
         return start_on_side_stream(name, x, comm, algorithm, check)
+    if hasattr(comm, f"tensor_{name}"):  # a communicator with its own tensor collectives: run that one
+        return engine_for(comm).submit(f"{name} {x.numel() * x.element_size()} B",
+                                       lambda c: getattr(c, f"tensor_{name}")(x))
     arr = as_array(x)[0]
     agree_on_arguments(comm, name, arr, algorithm=algorithm, algorithms=ALGORITHMS[name], check=check, **check_args)
     return engine_for(comm).submit(_describe(name, x, algorithm), run)

@@ -24,7 +24,12 @@ scripts/gpu_overlap.py, which measures both.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+from tplab.overlap import trace
 from tplab.overlap.nonblocking import Handle
+
+_NOTHING = nullcontext()
 
 _side_streams: dict = {}  # device index -> the communication stream
 
@@ -71,11 +76,13 @@ def start_on_side_stream(name, x, comm, algorithm="auto", check=False) -> Stream
     ready.record(caller)
     side.wait_event(ready)
     x.record_stream(side)  # read there; its memory must not be reused before the side stream is done
-    with torch.cuda.stream(side):
+    what = f"{name} {algorithm} {x.numel() * x.element_size()} B"
+    tracer = trace.current()
+    with torch.cuda.stream(side), (tracer.span(what, "comm", "comm stream", stream=side) if tracer else _NOTHING):
         if hasattr(comm, f"tensor_{name}"):  # a communicator with its own tensor collectives (torch.distributed)
             result = getattr(comm, f"tensor_{name}")(x)
         else:
             result = getattr(tplab, name)(x, comm, algorithm=algorithm, check=check)
-        done = torch.cuda.Event()
-        done.record(side)
-    return StreamHandle(f"{name} {algorithm} {x.numel() * x.element_size()} B", result, done)
+    done = torch.cuda.Event()
+    done.record(side)
+    return StreamHandle(what, result, done)

@@ -14,7 +14,8 @@ Clocks. On the CPU each rank reads ``time.perf_counter()``; the ranks' clocks ha
 the ranks agree to within the barrier's exit skew (microseconds on one machine, more when ranks outnumber
 cores). On a GPU the host clock says when work was *queued*, not when it ran: give ``span`` a CUDA
 stream (``stream=``) and it records CUDA events on it instead, turned into times after a synchronise,
-relative to an event recorded right after the barrier.
+relative to an event recorded right after the barrier (``Tracer(comm, gpu=True)`` does that for every
+span: the caller's current stream, and the side stream of nonblocking collectives on CUDA tensors).
 
 Lanes: each interval belongs to a lane (``lane=``): "main" for the calling thread, "progress thread" for
 the thread that runs nonblocking collectives, or a CUDA stream's name. In a Chrome trace, pid = rank and
@@ -80,6 +81,11 @@ class Tracer:
 
     @contextmanager
     def span(self, name, kind="compute", lane="main", stream=None, **fields):
+        if self.gpu and stream is None and kind != "wait":  # a GPU tracer times the current stream
+            import torch
+
+            stream = torch.cuda.current_stream()
+            lane = "compute stream" if lane == "main" else lane
         if stream is not None:  # GPU: when the stream ran it, not when the host queued it
             import torch
 
