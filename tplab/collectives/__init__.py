@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from tplab.collectives import auto, snapshots
+from tplab.collectives.alltoall import alltoall  # pairwise exchange (sequence parallelism: Ulysses)
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce, tree_allreduce
 from tplab.collectives.checks import CollectiveArgumentError, agree_on_arguments
 from tplab.collectives.hierarchical import hierarchical_allreduce
@@ -232,6 +233,7 @@ __all__ = [
     "ALGORITHMS",
     "CollectiveArgumentError",
     "allgather",
+    "alltoall",
     "allreduce",
     "broadcast",
     "reduce",

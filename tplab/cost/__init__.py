@@ -10,6 +10,8 @@
                        fit_on_timings(rows): the same five numbers fitted to collective timings;
                        compare(rows, machine): predicted next to measured
     tensor_parallel.py what a transformer layer sends under TP, and the comm/compute ratio
+    sequence_parallel.py  bytes, messages, memory and causal work of SP attention; SP vs TP; why
+                       seed 001's CPU-staged all-gathers made 4 GPUs slower than one (staged_vs_direct)
 
 n is nccl-tests' size S in bytes: allreduce, bytes per rank; reduce_scatter, the full input vector;
 allgather, the gathered total; broadcast and reduce, the message. p = ranks; times in seconds.
@@ -31,6 +33,7 @@ from tplab.cost.fit import (
     measure_reduction,
 )
 from tplab.cost.formulas import FORMULAS, CriticalPath, Machine, critical_path, formula_text, predict
+from tplab.cost.sequence_parallel import attention_bytes, attention_messages, causal_work, sp_vs_tp, staged_vs_direct
 from tplab.cost.tensor_parallel import layer_model, tensor_parallel_allreduce_cost
 from tplab.cost.traffic import allreduce_traffic, traffic
 from tplab.cost.two_level import TwoLevelMachine
@@ -41,6 +44,9 @@ __all__ = [
     "Machine",
     "TwoLevelMachine",
     "allreduce_traffic",
+    "attention_bytes",
+    "attention_messages",
+    "causal_work",
     "compare",
     "critical_path",
     "fit_machine",
@@ -54,6 +60,8 @@ __all__ = [
     "measure_exchange",
     "measure_reduction",
     "predict",
+    "sp_vs_tp",
+    "staged_vs_direct",
     "tensor_parallel_allreduce_cost",
     "traffic",
 ]

@@ -1,0 +1,69 @@
+"""All-to-all by pairwise exchange: every rank sends a different block to every other rank.
+
+The input is p blocks, ``x[j]`` meant for rank j; the output is p blocks, ``out[j]`` the one rank j
+meant for me. (A transpose of a p x p matrix of blocks spread over the ranks by rows.) In step
+k = 1 .. p-1 every rank sends to the rank k ahead of it and receives from the rank k behind it, so
+every rank is busy in every step and each pair of ranks meets exactly once:
+
+    step k:   rank r  --x[r+k]-->  rank r+k        rank r  <--x'[r]--  rank r-k        (mod p)
+
+Cost, n = the bytes of one rank's whole input (p blocks):
+
+    (p-1) α + (p-1)/p · n β          each rank sends p-1 blocks of n/p bytes (its own block stays home)
+
+This is what MPICH and Open MPI run for large all-to-alls (MPICH "pairwise exchange"; for p a power of two
+they use partner r XOR k, which meets each pair once as well). DeepSpeed Ulysses uses four of these per
+attention layer to turn sequence-sharded Q, K, V into head-sharded ones and back (tplab/sequence/ulysses.py).
+
+Buffers pass through as they are: numpy arrays, CPU torch tensors, or whatever the Communicator's
+``sendrecv`` accepts (GPU tensors on a GPU transport); the output is of the input's kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.collectives.checks import CollectiveArgumentError
+
+
+def _empty_like(x):
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch.empty_like(x)
+    return np.empty_like(x)
+
+
+def _contiguous(x):
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.contiguous()
+    return np.ascontiguousarray(x)
+
+
+def _check(x, comm) -> None:
+    """Every rank passes p blocks of one shape and dtype; otherwise the same error on every rank."""
+    everyone = comm.allgather_object((tuple(x.shape), str(x.dtype)))
+    problems = [f"rank {r} passed shape {shape}: the first dimension must be the number of ranks "
+                f"{comm.size} (one block per destination)"
+                for r, (shape, _) in enumerate(everyone) if len(shape) == 0 or shape[0] != comm.size]
+    if len(set(everyone)) > 1:
+        listed = ", ".join(f"rank {r} {m}" for r, m in enumerate(everyone))
+        problems.append(f"ranks disagree on (shape, dtype): {listed}")
+    if problems:
+        raise CollectiveArgumentError("alltoall: " + "; ".join(problems))
+
+
+def alltoall(x, comm, *, check: bool = True):
+    """x: (p, ...) with x[j] for rank j  ->  out: (p, ...) with out[j] from rank j."""
+    if check:
+        _check(x, comm)
+    elif x.shape[0] != comm.size:
+        raise CollectiveArgumentError(f"alltoall: first dimension {x.shape[0]} != number of ranks {comm.size}")
+    p, r = comm.size, comm.rank
+    x = _contiguous(x)
+    out = _empty_like(x)
+    out[r] = x[r]  # my own block stays here (a local copy, not a message)
+    for step in range(1, p):
+        to, frm = (r + step) % p, (r - step) % p
+        comm.sendrecv(x[to], to, out[frm], frm, tag=step)
+    return out

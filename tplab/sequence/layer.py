@@ -1,0 +1,74 @@
+"""A sequence-parallel transformer layer (seed 001's structure), built on the unsplit ``Block``.
+
+Sequence parallelism splits the *tokens*, not the weights: every rank holds the whole layer and s/p
+tokens of each sequence. Everything a token does on its own needs no communication; only attention
+mixes tokens:
+
+    x (b, s/p, h)  my tokens
+    ├─ norm1, Q/K/V projections (RoPE)    local (per token; rotary angles from global positions)
+    ├─ attention                          the scheme: all-gather K/V | ring | Ulysses   <- the only comm
+    ├─ output projection, residual        local
+    └─ norm2, MLP, residual               local (per token)
+    y (b, s/p, h)  my tokens of the output
+
+so the layer equals the unsplit ``tplab.models.gpt.Block`` on the full sequence, token for token.
+Compare tensor parallelism (tplab.layers): weights split p ways, two all-reduces of b·s·h per layer.
+Here: weights replicated, per layer only the attention scheme's bytes (REFERENCE s.5).
+
+    block = Block(GPTConfig(n_embd=64, n_head=4))            # the same weights on every rank
+    layer = SequenceParallelBlock(block, comm, scheme="ring", layout="zigzag")
+    y_mine = layer(shard(x, comm.rank, comm.size, "zigzag"))   # == shard(block(x), ...)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tplab.sequence.allgather_kv import allgather_kv_attention
+from tplab.sequence.layout import my_chunks
+from tplab.sequence.ring import ring_attention
+from tplab.sequence.ulysses import ulysses_attention
+
+SCHEMES = {"allgather_kv": allgather_kv_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def attention_scheme(name: str):
+    if name not in SCHEMES:
+        raise ValueError(f"unknown sequence-parallel scheme {name!r}: choose one of {list(SCHEMES)}")
+    return SCHEMES[name]
+
+
+class SequenceParallelBlock(nn.Module):
+    """``block``: a ``tplab.models.gpt.Block`` (its modules are used, not copied). ``options`` go to the
+    attention scheme (all-gather K/V: ``algorithm``, ``gather``; all: ``check``)."""
+
+    def __init__(self, block: nn.Module, comm, *, scheme: str = "allgather_kv", layout: str = "contiguous",
+                 causal: bool = True, **options):
+        super().__init__()
+        self.attend = attention_scheme(scheme)
+        self.block, self.comm, self.scheme, self.layout, self.causal = block, comm, scheme, layout, causal
+        self.options = options
+
+    def attention(self, x):  # x: (b, s/p, h) my tokens, after norm1
+        a = self.block.attention
+        b, s_local, h = x.shape
+        q = a.q_proj(x).view(b, s_local, a.n_head, a.head_dim).transpose(1, 2)  # (b, n, s/p, d)
+        k = a.k_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)  # (b, n_kv, s/p, d)
+        v = a.v_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)
+        if getattr(a, "rotary", None) is not None:  # RoPE: rotate by *global* positions, chunk by chunk
+            q, k = self.rotate(a.rotary, q, k)
+        y = self.attend(q, k, v, self.comm, causal=self.causal, layout=self.layout, **self.options)
+        return a.o_proj(y.transpose(1, 2).reshape(b, s_local, a.n_head * a.head_dim))  # (b, s/p, h)
+
+    def rotate(self, rotary, q, k):
+        """Each of my chunks holds consecutive positions, starting at chunk index x chunk length."""
+        chunks = my_chunks(self.comm.rank, self.comm.size, self.layout)
+        length = q.shape[2] // len(chunks)
+        pieces = [rotary(q_c, k_c, first_position=c * length)
+                  for c, q_c, k_c in zip(chunks, q.split(length, dim=2), k.split(length, dim=2))]
+        return torch.cat([pq for pq, _ in pieces], dim=2), torch.cat([pk for _, pk in pieces], dim=2)
+
+    def forward(self, x):  # (b, s/p, h)
+        x = x + self.attention(self.block.norm1(x))
+        return x + self.block.mlp(self.block.norm2(x))  # (b, s/p, h)

@@ -1,0 +1,102 @@
+"""Ring attention (Liu et al., arXiv 2310.01889): K/V blocks travel around the ring, never all at once.
+
+The all-gather scheme (allgather_kv.py) holds the whole K and V on every rank: O(s) memory. Ring
+attention keeps only two K/V blocks (the one being used, the one arriving) and folds each block into an
+online softmax (online_softmax.py) as it passes by:
+
+    kv = my (k, v)
+    for step in 0 .. p-1:
+        start sending kv to the right, receiving the next block from the left     (nonblocking)
+        fold my queries against kv into the online softmax                          (compute)
+        wait for the transfer; kv = the block that arrived
+    out = acc / l
+
+The transfer of the next block is started *before* the compute on the current one, so the two can
+overlap: when one block's attention takes longer than one block's trip, communication is hidden.
+(Whether it really overlaps depends on the transport: host MPI on shared memory moves most bytes
+inside its calls (``test``, ``wait``), and a GPU transport that puts its transfers on the compute stream
+serialises them with the compute; overlap on a GPU needs the transfer on a second stream.)
+
+Bytes sent per rank: p-1 blocks of 2·b·(s/p)·h_kv·bytes = 2 (p-1)/p · b·s·h_kv·bytes, the same as the
+all-gather (REFERENCE s.5), in p-1 messages (k and v travel together).
+
+Causal: my chunk of queries against a chunk of keys is one of three cases (layout.py: chunks have equal
+length) —  entirely in the past: no mask;  the same chunk: the triangular mask;  entirely in the future:
+skipped. The blocks still travel the whole ring (every rank needs some of them); the skipped compute is
+what makes the contiguous layout unbalanced and the zig-zag layout balanced.
+
+Forward only: gradients would need a second ring that carries dK, dV back (not written here). Calling
+it on tensors that require grad raises instead of returning silently wrong gradients.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tplab.sequence.allgather_kv import repeat_kv
+from tplab.sequence.checks import check_attention_inputs
+from tplab.sequence.layout import my_chunks
+from tplab.sequence.online_softmax import OnlineSoftmax
+
+
+def causal_relation(query_chunk: int, key_chunk: int) -> str:
+    """'past', 'diagonal' or 'future': where a chunk of keys lies for a chunk of queries."""
+    if key_chunk < query_chunk:
+        return "past"
+    return "diagonal" if key_chunk == query_chunk else "future"
+
+
+def _refuse_gradients(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("ring attention is forward-only here (its backward needs a second ring "
+                                  "carrying dK and dV): use torch.no_grad(), or the allgather_kv or "
+                                  "ulysses scheme for gradients")
+
+
+def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous", check: bool = True,
+                   stats: dict | None = None) -> torch.Tensor:
+    """q (b, n, s/p, d), k, v (b, n_kv, s/p, d): this rank's tokens  ->  (b, n, s/p, d).
+
+    ``stats`` (a dict, optional) accumulates what this rank did: ``scores`` (query-key pairs computed,
+    per batch and head), ``compute_s`` and ``wait_s`` (seconds on the host clock: meaningful on the CPU;
+    on a GPU the kernels run asynchronously)."""
+    _refuse_gradients(q, k, v)
+    if check:
+        check_attention_inputs(q, k, v, comm, layout)
+    p, rank = comm.size, comm.rank
+    right, left = (rank + 1) % p, (rank - 1) % p
+    mine = my_chunks(rank, p, layout)
+    length = q.shape[2] // len(mine)  # tokens per chunk
+    queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
+    softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
+    stats = {} if stats is None else stats
+    for key in ("scores", "compute_s", "wait_s"):
+        stats.setdefault(key, 0)
+
+    kv = torch.stack([k, v]).contiguous()  # (2, b, n_kv, s/p, d): one message per step
+    for step in range(p):
+        owner = (rank - step) % p  # whose tokens' keys and values we hold in this step
+        if step < p - 1:  # start moving the next block now, so it can travel while we compute
+            incoming = torch.empty_like(kv)
+            transfer = [comm.irecv(incoming, left, tag=step), comm.isend(kv, right, tag=step)]
+            transfer[0].test()  # nudge: MPI starts moving the bytes; a transport that batches nonblocking
+            #                     operations until a wait or test (tplab.comm.nccl) issues them now
+        started = time.perf_counter()
+        keys, values = repeat_kv(kv[0], q.shape[1]), repeat_kv(kv[1], q.shape[1])  # (b, n, s/p, d)
+        for key_chunk, k_chunk, v_chunk in zip(my_chunks(owner, p, layout), keys.split(length, dim=2),
+                                               values.split(length, dim=2)):
+            for (query_chunk, q_chunk), acc in zip(queries, softmax):
+                relation = causal_relation(query_chunk, key_chunk) if causal else "past"
+                if relation == "future":
+                    continue  # every key is in every query's future: nothing to compute
+                acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal")
+                stats["scores"] += length * length / (2 if relation == "diagonal" else 1)
+        stats["compute_s"] += time.perf_counter() - started
+        if step < p - 1:
+            started = time.perf_counter()
+            comm.waitall(transfer)
+            stats["wait_s"] += time.perf_counter() - started
+            kv = incoming
+    return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
