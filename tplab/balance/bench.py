@@ -1,0 +1,175 @@
+"""The measurements behind data/balance_*.csv and notebook 07: functions every rank calls (under mpiexec,
+or on the engines through ``cluster.run``), each returning the same plain rows on every rank.
+
+    mpiexec -n 4 python -m tplab.balance.bench --tp 1,2 --csv data/balance_cpu-mine.csv --machine "..."
+
+For each workload (a length distribution, seeded) and each strategy, the batch runs ``repeats`` times
+and every run is one CSV row: measured makespan, idle, imbalance, tokens/s, padding waste, and the
+makespan the cost model predicted for that schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import numpy as np
+import torch
+
+from tplab.balance.cost import SequenceCost, time_sequences
+from tplab.balance.groups import data_parallel_groups
+from tplab.balance.metrics import summarize
+from tplab.balance.pipeline import gpipe_bubble, gpipe_makespan, micro_batches, run_pipeline
+from tplab.balance.runner import STRATEGIES, run_requests
+from tplab.balance.schedulers import list_schedule, longest_first, makespan
+from tplab.balance.workloads import describe, make_requests
+
+
+def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048, seed=0, dtype="float32"):
+    """The same random GPT on every rank (seeded): no download, any size."""
+    from tplab.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                         n_embd=n_embd, dtype=getattr(torch, dtype))).eval()
+
+
+def _world(comm):
+    if comm is None:
+        from tplab.comm import world
+
+        return world()
+    return comm
+
+
+def calibrate(model, tp=1, lengths=(16, 64, 256, 1024), repeats=3, comm=None) -> SequenceCost:
+    """Fit a + b·s + c·s² to forward times of one sequence per length, measured by every group at once
+    (the conditions of the real run), averaged over the groups; the same fit on every rank."""
+    comm = _world(comm)
+    groups = data_parallel_groups(comm, tp)
+    lengths = [s for s in lengths if s <= model.config.block_size]
+    times = time_sequences(groups.shard(model), lengths, model.config.vocab_size, repeats)
+    everyone = np.array(groups.control.allgather_object(times))  # (ranks, lengths)
+    return SequenceCost.fit(lengths, everyone.mean(axis=0))
+
+
+def predicted_makespan(result) -> float:
+    """What the cost model expected of this schedule (dynamic: the greedy list schedule in its order)."""
+    costs, groups = result.predicted_costs, result.ranks // result.tp
+    if result.assignment is not None:
+        return makespan(result.assignment, costs)
+    order = None if result.strategy == "dynamic" else longest_first(costs)
+    return makespan(list_schedule(costs, groups, order), costs)
+
+
+def measure_strategies(model, requests, strategies=STRATEGIES, tp=1, repeats=3, cost=None,
+                       batching="single", max_tokens=None, batch_size=None, sort_batches=False, comm=None,
+                       keep_intervals=False, **labels) -> tuple[list[dict], list[dict]]:
+    """(rows, intervals): one summary row per (strategy, repeat); with ``keep_intervals`` the last
+    repeat's intervals of each strategy (for Gantt charts). Strategies alternate within each repeat so
+    that slow phases of a shared machine hit them all alike."""
+    comm = _world(comm)
+    lengths = [r.length for r in requests]
+    rows, intervals = [], []
+    run_requests(model, requests[: max(1, comm.size)], comm, strategy="round_robin", tp=tp)  # warm-up
+    for repeat in range(repeats):
+        for strategy in strategies:
+            result = run_requests(model, requests, comm, strategy=strategy, tp=tp, batching=batching,
+                                  max_tokens=max_tokens, batch_size=batch_size, sort_batches=sort_batches, cost=cost)
+            rows.append({**labels, "ranks": comm.size, "tp": tp, "groups": comm.size // tp,
+                         "n_requests": len(requests), "total_tokens": int(sum(lengths)), "strategy": strategy,
+                         "batching": batching, "repeat": repeat, "predicted_makespan_s": predicted_makespan(result),
+                         **summarize(result)})
+            if keep_intervals and repeat == repeats - 1:
+                intervals += [{**row, "strategy": strategy} for row in result.intervals.to_dict("records")]
+    return rows, intervals
+
+
+def measure_pipeline(model, requests, m_values=(1, 2, 4, 8), how=("count", "balanced"), stages=None,
+                     tp=1, mode="pack", repeats=2, cost=None, comm=None,
+                     keep_intervals=False) -> tuple[list[dict], list[dict]]:
+    """GPipe runs for several micro-batch counts m and micro-batching rules: measured bubble next to
+    (p-1)/(m+p-1) and to the unequal-micro-batch formula from the predicted costs."""
+    comm = _world(comm)
+    stages = stages or comm.size // tp
+    lengths = [r.length for r in requests]
+    cost = cost or SequenceCost.from_flops(model.config)
+    rows, intervals = [], []
+    run_pipeline(model, requests[:1], [[requests[0].id]], comm, stages=stages, tp=tp, mode=mode)  # warm-up
+    for repeat in range(repeats):
+        for rule in how:
+            for m in m_values:
+                if m > len(requests):
+                    continue
+                ids = micro_batches(lengths, m, rule, cost=cost.seconds)
+                ids = [[requests[i].id for i in mb] for mb in ids]
+                result = run_pipeline(model, requests, ids, comm, stages=stages, tp=tp, mode=mode)
+                by_id = {r.id: r.length for r in requests}
+                costs = [cost.batch_seconds([by_id[i] for i in mb], mode) for mb in ids]
+                predicted = gpipe_makespan(costs, stages)
+                rows.append({"ranks": comm.size, "stages": stages, "tp": tp, "m": m, "micro_batching": rule,
+                             "mode": mode, "repeat": repeat, "makespan_s": float(result.intervals["end"].max()),
+                             "bubble": result.bubble, "bubble_formula": gpipe_bubble(stages, m),
+                             "bubble_unequal_formula": 1 - sum(costs) / predicted if predicted else 0.0,
+                             "tokens": int(sum(lengths))})
+                if keep_intervals and repeat == repeats - 1:
+                    intervals += [{**row, "m": m, "micro_batching": rule}
+                                  for row in result.intervals.to_dict("records")]
+    return rows, intervals
+
+
+def machine_description() -> str:
+    """A short honest description of where this runs: CPU model, cores, MPI library."""
+    from mpi4py import MPI
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mpi = MPI.Get_library_version().splitlines()[0].strip()
+    return f"{cpu}, {os.cpu_count()} cores, {mpi}, torch {torch.__version__}"
+
+
+def main(argv=None):
+    import pandas as pd
+
+    parser = argparse.ArgumentParser(description="load-balancing strategies on the MPI ranks (run under mpiexec)")
+    parser.add_argument("--tp", default="1", help="TP sizes, comma-separated (each must divide the ranks)")
+    parser.add_argument("--distributions", default="lognormal,bimodal,uniform")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("-n", "--requests", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--machine", default=None, help="describes the machine in the CSV (default: detected)")
+    parser.add_argument("--csv", required=True)
+    args = parser.parse_args(argv)
+
+    from tplab.comm import world
+
+    comm = world()
+    model = build_model(n_layer=args.layers, n_embd=args.hidden, block_size=max(args.max_length, 16))
+    machine = args.machine or machine_description()
+    for tp in [int(t) for t in args.tp.split(",")]:
+        cost = calibrate(model, tp, comm=comm)
+        for distribution in args.distributions.split(","):
+            requests = make_requests(distribution, args.requests, seed=args.seed, max_length=args.max_length)
+            rows, _ = measure_strategies(model, requests, args.strategies.split(","), tp=tp, repeats=args.repeats,
+                                         cost=cost, comm=comm, machine=machine, distribution=distribution,
+                                         max_length=args.max_length, seed=args.seed, n_layer=args.layers,
+                                         n_embd=args.hidden, cost_model=str(cost))
+            if comm.rank == 0:
+                df = pd.DataFrame(rows)
+                df.to_csv(args.csv, mode="a", header=not os.path.exists(args.csv), index=False)
+                summary = df.groupby("strategy", sort=False)[["makespan_s", "imbalance", "tokens_per_s"]].median()
+                print(f"\n{comm.size} ranks, tp {tp}, {distribution}: {describe([r.length for r in requests])}")
+                print(summary.round(4).to_string(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Gantt charts of interval tables (``Timeline`` rows): one lane per rank, one bar per interval.
+
+    plot_gantt(df)                       bars coloured by ``color_by`` (default: the work item)
+    plot_gantt(df, label="item")         with each bar's item written on it (when it fits)
+
+Idle time is the white between bars; the makespan is the right edge of the last bar (drawn as a
+dashed line). Returns the Figure (or draws into ``ax``).
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=None, makespan=True,
+               cmap="tab20", legend=False):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 0.45 * max(df[lane].nunique() if len(df) else 1, 2) + 1.2),
+                               constrained_layout=True)
+    fig = ax.figure
+    if not len(df):
+        ax.set_title(title or "(no intervals)")
+        return fig
+    lanes = sorted(df[lane].unique())
+    keys = sorted(df[color_by].unique(), key=lambda k: (str(type(k)), k)) if color_by in df else [None]
+    palette = plt.get_cmap(cmap)
+    color_of = {k: palette(i % palette.N) for i, k in enumerate(keys)}
+    for y, name in enumerate(lanes):
+        rows = df[df[lane] == name]
+        for row in rows.itertuples(index=False):
+            r = row._asdict()
+            color = color_of[r[color_by]] if color_by in r else "tab:blue"
+            ax.barh(y, r["end"] - r["start"], left=r["start"], height=0.8, color=color, edgecolor="black",
+                    linewidth=0.4, label=str(r[color_by]) if color_by in r else None)
+            if label is not None and label in r:
+                span = r["end"] - r["start"]
+                if span > 0.03 * (df["end"].max() - df["start"].min()):
+                    ax.text(r["start"] + span / 2, y, str(r[label]), ha="center", va="center", fontsize=7)
+    if makespan:
+        ax.axvline(df["end"].max(), color="black", ls="--", lw=0.8)
+    ax.set_yticks(np.arange(len(lanes)), [f"{lane} {n}" for n in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (s)")
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if legend:
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=min(len(unique), 6), loc="upper right")
+    return fig
