@@ -1,0 +1,112 @@
+"""How long a step of each block pattern spends communicating, on real ranks.
+
+    rows = comm_time_per_step()                             # on every rank (cluster.run(...))
+    rows = comm_time_per_step(network=dict(latency=50e-6, bandwidth=1e9))    # an emulated slow network
+    comm_time_df(...)                                       # the same as a pandas DataFrame
+
+For each pattern, a FewerSyncsGPT on RealRanks over this job's ranks runs ``iters`` forward passes
+(inference) and ``iters`` training steps (forward + backward) on the same random batch. A stopwatch
+around every collective (RealRanks(timing=True)) gives the time spent inside them: the activations'
+all-reduces forward and backward, and the small all-reduce of replicated weights' gradients. Each
+figure is one rank's median over the iterations, then the slowest rank's (the job waits for it).
+Time inside a collective includes waiting for ranks that arrive late: that is what a sync costs.
+
+With ``network``, the ranks talk through tplab.comm.EmulatedNetwork (``ranks_per_node`` consecutive
+ranks per emulated machine, 1 by default: every message crosses the network and pays latency +
+bytes / bandwidth), as if each rank sat on its own machine behind a slow link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from tplab.fewer_syncs.model import PATTERNS, FewerSyncsGPT, dense_gpt, syncs_per_forward
+from tplab.fewer_syncs.ranks import RealRanks
+from tplab.layers import mappings
+
+
+def default_heads(p: int) -> int:
+    """Seed 002's 4 heads where p divides 4; else p heads (one per rank)."""
+    return 4 if 4 % p == 0 else p
+
+
+@contextlib.contextmanager
+def _no_argument_checks():
+    """Skip tplab's cross-rank argument agreement before each collective while timing (if supported)."""
+    saved = getattr(mappings, "check_arguments", None)
+    if saved is not None:
+        mappings.check_arguments = False
+    try:
+        yield
+    finally:
+        if saved is not None:
+            mappings.check_arguments = saved
+
+
+def _communicator(comm, network):
+    from tplab.comm import EmulatedNetwork, world
+
+    comm = comm or world()
+    if not network:
+        return comm, "this machine (MPI)"
+    net = dict(network)
+    q = net.pop("ranks_per_node", 1)
+    emulated = EmulatedNetwork(comm, q, **net)
+    return emulated, (f"emulated: {comm.size // q} nodes x {q} ranks, {emulated.network.latency * 1e6:g} us, "
+                      f"{emulated.network.bandwidth / 1e9:g} GB/s between nodes")
+
+
+def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=None, n_head=None, vocab_size=65,
+                       iters=10, warmup=2, network=None, algorithm="auto", comm=None) -> list[dict]:
+    """One row per pattern, the same on every rank (collective: call it on every rank)."""
+    comm, where = _communicator(comm, network)
+    p = comm.size
+    n_head = n_head or default_heads(p)
+    n_embd = n_embd or 32 * n_head
+    patterns = patterns or PATTERNS
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (batch_size, block_size), generator=g)
+    rows = []
+    with _no_argument_checks():
+        for name, pattern in patterns.items():
+            ranks = RealRanks(comm, algorithm=algorithm, timing=True)
+            dense = dense_gpt(len(pattern), vocab_size, block_size, n_head, n_embd)
+            model = FewerSyncsGPT(dense, pattern, ranks)
+            samples = {"forward": [], "forward_comm": [], "step": [], "step_comm": []}
+            for i in range(warmup + iters):
+                ranks.reset_clock()
+                comm.barrier()
+                started = time.perf_counter()
+                with torch.no_grad():
+                    model(tokens)  # inference: the forward pass alone
+                forward = time.perf_counter() - started
+                forward_comm = ranks.comm_seconds["forward"]
+                ranks.reset_clock()
+                comm.barrier()
+                started = time.perf_counter()
+                model(tokens, tokens)[1].backward()  # a training step's forward + backward
+                step = time.perf_counter() - started
+                model.zero_grad(set_to_none=True)
+                if i >= warmup:
+                    for key, value in [("forward", forward), ("forward_comm", forward_comm), ("step", step),
+                                       ("step_comm", sum(ranks.comm_seconds.values()))]:
+                        samples[key].append(value)
+            medians = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+            slowest = {k: max(r[k] for r in comm.allgather_object(medians)) for k in medians}
+            rows.append({"config": name, "pattern": ",".join(pattern), "p": p, "syncs_forward": syncs_per_forward(pattern),
+                         "forward_ms": slowest["forward"], "forward_comm_ms": slowest["forward_comm"],
+                         "step_ms": slowest["step"], "step_comm_ms": slowest["step_comm"],
+                         "message_bytes": batch_size * block_size * n_embd * 4, "batch_size": batch_size,
+                         "block_size": block_size, "n_embd": n_embd, "n_head": n_head, "iters": iters,
+                         "network": where, "algorithm": algorithm})
+    return rows
+
+
+def comm_time_df(*args, **kwargs):
+    import pandas as pd
+
+    return pd.DataFrame(comm_time_per_step(*args, **kwargs))
