@@ -23,6 +23,7 @@ from tplab.sequence import (  # noqa: E402
     ring_attention,
     shard,
     staged_allgather_first_dim,
+    unsplit_layer,
 )
 from tplab.sequence.scaling import scaling_study  # noqa: E402
 
@@ -127,6 +128,8 @@ def test_sequence_parallel_layer_equals_unsplit_block(scheme, layout, model):
     with torch.no_grad():
         for causal in (True, False):
             expected = block(x) if causal else non_causal_block(block, x)
+            whole = unsplit_layer(block, causal=causal)(x)  # the baseline of the scaling studies
+            agree(torch.allclose(whole, expected, **TOL), f"unsplit_layer(causal={causal}) differs")
             layer = SequenceParallelBlock(block, C, scheme=scheme, layout=layout, causal=causal)
             y = layer(shard(x, RANK, P, layout))
             agree(torch.allclose(y, shard(expected, RANK, P, layout), **TOL),

@@ -8,7 +8,7 @@
     ring.py            ring attention: K/V blocks passed around, next transfer started before compute
     ulysses.py         DeepSpeed Ulysses: all-to-all tokens <-> heads (tplab.collectives.alltoall)
     checks.py          bad input: the same clear error on every rank
-    layer.py           SequenceParallelBlock: seed 001's layer, equal to the unsplit Block
+    layer.py           SequenceParallelBlock: seed 001's layer, equal to the unsplit Block; unsplit_layer
     scaling.py         timing, strong and weak scaling, per-rank causal work (notebook 05, GPU script)
 
 Every scheme takes this rank's q (b, n, s/p, d), k, v (b, n_kv, s/p, d) and returns its output rows
@@ -28,7 +28,7 @@ Every scheme takes this rank's q (b, n, s/p, d), k, v (b, n_kv, s/p, d) and retu
 from tplab.sequence.allgather_kv import allgather_kv_attention, attend_local
 from tplab.sequence.checks import SequenceParallelError
 from tplab.sequence.gather import gather_sequence, staged_allgather_first_dim
-from tplab.sequence.layer import SCHEMES, SequenceParallelBlock
+from tplab.sequence.layer import SCHEMES, SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import LAYOUTS, gathered_positions, positions, shard, to_global_order
 from tplab.sequence.ring import ring_attention
 from tplab.sequence.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
@@ -50,4 +50,5 @@ __all__ = [
     "staged_allgather_first_dim",
     "to_global_order",
     "ulysses_attention",
+    "unsplit_layer",
 ]

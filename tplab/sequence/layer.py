@@ -72,3 +72,13 @@ class SequenceParallelBlock(nn.Module):
     def forward(self, x):  # (b, s/p, h)
         x = x + self.attention(self.block.norm1(x))
         return x + self.block.mlp(self.block.norm2(x))  # (b, s/p, h)
+
+
+def unsplit_layer(block: nn.Module, *, causal: bool = True) -> SequenceParallelBlock:
+    """The same layer on one rank over the whole sequence (a communicator of one: nothing to gather):
+    seed 001's "1 GPU" baseline, causal or not. With ``causal=True`` it computes ``block(x)``."""
+    from mpi4py import MPI
+
+    from tplab.comm import MPIComm
+
+    return SequenceParallelBlock(block, MPIComm(MPI.COMM_SELF), causal=causal, check=False)

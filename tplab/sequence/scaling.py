@@ -24,7 +24,7 @@ from tplab.cost.sequence_parallel import attention_bytes, causal_work
 from tplab.models.gpt import Block, GPTConfig
 from tplab.sequence.allgather_kv import attend_local
 from tplab.sequence.gather import gather_sequence
-from tplab.sequence.layer import SequenceParallelBlock
+from tplab.sequence.layer import SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import chunk_length, shard
 
 # Seed 001 (harshita-mp/transformer-sequence-parallelism): hidden 5120, sequence 4096, batch 4, fp32,
@@ -94,9 +94,9 @@ def measure_layer(comm, block, x_full, *, scheme="allgather_kv", layout="contigu
     return {"time_s": slowest_median(times, comm), "bytes_per_rank": max(comm.allgather_object(sent))}
 
 
-def _unsplit_time(block, x, iters, warmup) -> float:
+def _unsplit_time(layer, x, iters, warmup) -> float:
     with torch.no_grad():
-        return statistics.median(time_calls(lambda: block(x), iters=iters, warmup=warmup))
+        return statistics.median(time_calls(lambda: layer(x), iters=iters, warmup=warmup))
 
 
 def _sleeping_twin(comm):
@@ -126,15 +126,16 @@ def scaling_study(comm, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None,
     torch.set_num_threads(threads)
     try:
         block = make_block(hidden, heads, dtype=dtype)
+        whole = unsplit_layer(block, causal=causal)  # the same layer, all tokens on one rank
         # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU"
-        base = _unsplit_time(block, make_input(batch, seq_len, hidden, dtype=dtype), iters, warmup) \
+        base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype), iters, warmup) \
             if comm.rank == 0 else None
         rows = []
         for p in ranks:
             s = seq_len * p if mode == "weak" else seq_len
             x_full = make_input(batch, s, hidden, dtype=dtype)
             if comm.rank == 0:  # weak scaling: the whole grown problem on one rank, for the speedup
-                unsplit = base if s == seq_len else _unsplit_time(block, x_full, iters, warmup)
+                unsplit = base if s == seq_len else _unsplit_time(whole, x_full, iters, warmup)
             waiter.barrier()
             sub = comm.split(color=0 if comm.rank < p else 1)
             measured = measure_layer(sub, block, x_full, scheme=scheme, layout=layout, causal=causal,

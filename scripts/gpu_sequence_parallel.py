@@ -1,0 +1,329 @@
+"""Seed 001's sequence-parallel scaling study on GPUs: CPU-staged MPI next to direct GPU transfers.
+
+One MPI rank per GPU; run it once per p (the world size is p), all runs appending to one CSV:
+
+    for p in 1 2 4; do
+      PYTHONPATH=$PWD mpiexec -n $p python3 scripts/gpu_sequence_parallel.py OUT_DIR      # Open MPI as root:
+    done                                                                                  #  --allow-run-as-root
+
+Seed 001's layer (tplab.sequence.SequenceParallelBlock: LayerNorm, Q/K/V, attention, output projection,
+MLP; the tokens split over the GPUs, the weights replicated) at its configuration (hidden 5120, sequence
+4096, batch 4; 40 heads; fp32, and bf16), strong scaling (the same problem on p GPUs) and weak scaling
+(sequence 4096·p). Paths for the two all-gathers of K and V, side by side in the same run on the same GPUs:
+
+    staged_ring   seed 001's path: shard.cpu() -> tplab's ring all-gather over host MPI -> .to("cuda")
+    staged_mpi    the same with the MPI library's own MPI_Allgatherv on the host copies
+    direct_ring   tplab's ring all-gather over tplab.comm.nccl (NCCL send/recv, GPU to GPU over NVLink)
+    direct_nccl   NCCL's own all-gather (ncclAllGather) through the same communicator: the vendor
+    direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
+and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Timing: CUDA events around each forward
+(they count the time the GPU waits for the host: copies and host MPI), --warmup untimed calls, the median of
+--iters, the slowest rank. The unsplit layer on one GPU is timed in every run (rank 0) as the baseline of
+``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--components`` adds
+rows timing the pieces of one all-gather (PCIe copies, host MPI, NVLink) for the cost model
+(tplab.cost.staged_vs_direct). Output: OUT_DIR/sequence_parallel_gpu_<card>.csv with a ``machine`` column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import faulthandler
+import os
+import socket
+import statistics
+import sys
+import warnings
+from functools import partial
+from pathlib import Path
+
+for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):  # no multicast
+    os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tplab  # noqa: E402
+from tplab.comm import world  # noqa: E402
+from tplab.cost.sequence_parallel import attention_bytes  # noqa: E402
+from tplab.sequence import SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
+from tplab.sequence.gather import from_host, staged_allgather_first_dim, to_host  # noqa: E402
+from tplab.sequence.scaling import make_block, make_input, time_calls  # noqa: E402
+
+COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
+           "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
+           "unsplit_time_s", "speedup", "efficiency", "tokens_per_s", "weak_efficiency", "bytes_per_rank",
+           "predicted_bytes_per_rank", "max_rel_error", "iters", "warmup", "date"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def log(*args):
+    if MPI.COMM_WORLD.rank == 0:
+        print(*args, flush=True)
+
+
+def bind_gpu() -> int:
+    """One rank per GPU, by rank among the ranks on this node (as tplab.comm.nccl binds)."""
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=MPI.COMM_WORLD.rank)
+    local = node.Get_rank()
+    node.Free()
+    torch.cuda.set_device(local)
+    return local
+
+
+def machine_description(host, device) -> str:
+    if device == "cpu":  # (a dry run of the script on CPU ranks)
+        return f"CPU dry run: {os.cpu_count()} cores; torch {torch.__version__}; {MPI.Get_library_version().splitlines()[0]}"
+    props = torch.cuda.get_device_properties(0)
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    return (f"{torch.cuda.device_count()}x {props.name} ({props.total_memory / 2**30:.0f} GiB); torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, NCCL {nccl}; host MPI {MPI.Get_library_version().splitlines()[0].strip()}; "
+            f"{socket.gethostname()}")
+
+
+def tplab_nccl(host):
+    """tplab's NCCL transport if it works here (checked with a small all-gather), else (None, reason)."""
+    try:
+        from tplab.comm.nccl import nccl_world
+
+        comm = nccl_world()
+        got = tplab.allgather(torch.full((3,), float(host.rank), device="cuda"), comm, algorithm="ring")
+        want = torch.arange(host.size, dtype=torch.float32).repeat_interleave(3)
+        problem = "" if got.is_cuda and torch.equal(got.cpu(), want) else f"wrong all-gather {got}"
+    except Exception as e:  # noqa: BLE001 - any failure means: use the vendor path instead
+        comm, problem = None, f"{type(e).__name__}: {e}"
+    problems = [p for p in host.allgather_object(problem) if p]
+    return (comm, "") if not problems else (None, problems[0])
+
+
+def torch_distributed_allgather(host, device):
+    """The vendor path without tplab.comm.nccl: torch.distributed's NCCL all_gather_into_tensor (gloo on CPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        port = None
+        if host.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(host.allgather_object(port)[0])
+        if device == "cuda":
+            dist.init_process_group("nccl", rank=host.rank, world_size=host.size,
+                                    device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo", rank=host.rank, world_size=host.size)
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+
+    def vendor_allgather(x, comm):  # (m, ...) -> (p·m, ...)
+        out = torch.empty((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    return vendor_allgather
+
+
+def paths_here(host, nccl, nccl_problem, schemes, device):
+    """(name, transport description, communicator, scheme options, schemes it runs, whether tplab's counters
+    see its bytes: a library's own collective does not go through them)."""
+    staged = "GPU->host copy (tensor.cpu()), {} on host memory over MPI, host->GPU copy"
+    paths = [("staged_ring", staged.format("tplab ring all-gather"), host,
+              {"gather": partial(staged_allgather_first_dim, algorithm="ring", check=False)}, {"allgather_kv"}, True),
+             ("staged_mpi", staged.format("MPI_Allgatherv"), host,
+              {"gather": partial(staged_allgather_first_dim, algorithm="builtin", check=False)}, {"allgather_kv"},
+              False)]
+    if nccl is not None:
+        paths += [("direct_ring", "tplab ring over tplab.comm.nccl (NCCL send/recv, GPU to GPU)", nccl,
+                   {"algorithm": "ring"}, set(schemes), True),
+                  ("direct_nccl", "ncclAllGather through tplab.comm.nccl (the vendor's collective)", nccl,
+                   {"algorithm": "builtin"}, {"allgather_kv"}, False)]
+    else:
+        paths += [("direct_vendor", f"torch.distributed NCCL all_gather_into_tensor (tplab.comm.nccl: {nccl_problem})",
+                   host, {"gather": torch_distributed_allgather(host, device)}, {"allgather_kv"}, False)]
+    return paths
+
+
+def slowest(times, host):
+    medians = host.allgather_object(statistics.median(times))
+    return max(medians), min(medians)
+
+
+def measure(fn, host, args):
+    with torch.no_grad():
+        return slowest(time_calls(fn, iters=args.iters, warmup=args.warmup, barrier=host.barrier,
+                                  cuda=args.device == "cuda"), host)
+
+
+def same_everywhere(tensors, host):
+    """Rank 0's values on every rank (the seeds should already agree; this makes sure)."""
+    for t in tensors:
+        buf = to_host(t).numpy()  # a host copy (bf16 as int16)
+        host.mpi.Bcast(buf, root=0)
+        t.data.copy_(from_host(torch.from_numpy(buf), like=t))
+
+
+def unsplit_time(whole, x_full, host, args) -> float:
+    """Rank 0 times the whole layer on its one GPU while the others wait; every rank gets the time."""
+    time_s = None
+    if host.rank == 0:
+        with torch.no_grad():
+            time_s = statistics.median(time_calls(lambda: whole(x_full), iters=args.iters, warmup=args.warmup,
+                                                  cuda=args.device == "cuda"))
+    return host.allgather_object(time_s)[0]
+
+
+def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
+    """The unsplit layer and every (path, scheme) at this p, for one dtype and mode. ``base``: the unsplit
+    layer's time at the starting size (the per-rank problem of weak scaling)."""
+    p, dtype = host.size, DTYPES[dtype_name]
+    s = args.seq * p if mode == "weak" else args.seq
+    if s % (p * (2 if args.layout == "zigzag" else 1)):
+        log(f"  skip {mode}: sequence {s} does not split over {p} ranks")
+        return []
+    x_full = make_input(args.batch, s, args.hidden, dtype=dtype, device=args.device, seed=1)  # (b, s, h)
+    same_everywhere([x_full], host)
+    with torch.no_grad():
+        expected = whole(x_full)  # (b, s, h): the unsplit layer's output
+        if args.causal:  # the reference itself, against the model's own Block
+            assert torch.allclose(expected, block(x_full), rtol=1e-3, atol=1e-3), "unsplit layer != Block"
+    unsplit = base if s == args.seq else unsplit_time(whole, x_full, host, args)
+    common = {"kind": "layer", "mode": mode, "p": p, "dtype": dtype_name, "layout": args.layout,
+              "causal": args.causal, "hidden": args.hidden, "heads": args.heads, "seq_len": s, "batch": args.batch,
+              "tokens_per_rank": args.batch * s // p, "unsplit_time_s": unsplit}
+    rows = [{**common, "kind": "unsplit", "p": 1, "tokens_per_rank": args.batch * s, "path": "one_gpu",
+             "scheme": "none", "time_s": unsplit, "speedup": 1.0, "efficiency": 1.0,
+             "tokens_per_s": args.batch * s / unsplit}]
+    x = shard(x_full, host.rank, p, args.layout, dim=1)  # (b, s/p, h)
+    # one GPU: nothing to gather, every path is the same code; run each scheme once
+    runs = [("single_gpu", "one GPU, no communication", host, {}, set(args.schemes), True)] if p == 1 else paths
+    for name, transport, comm, options, schemes, counted in runs:
+        for scheme in [sc for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)]:
+            if scheme == "ulysses" and args.heads % p:
+                log(f"  skip ulysses: {args.heads} heads over {p} ranks")
+                continue
+            faulthandler.dump_traceback_later(args.watchdog, exit=True)
+            layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
+                                          check=False, **options)
+            with torch.no_grad():
+                sent = comm.bytes_sent
+                y = layer(x)
+                sent = comm.bytes_sent - sent
+                scale = expected.abs().max().float()
+                error = float((y - shard(expected, host.rank, p, args.layout, dim=1)).abs().max().float() / scale)
+            time_s, fastest = measure(lambda: layer(x), host, args)
+            predicted = attention_bytes(scheme, args.batch, s, args.hidden, p, bytes_per_element=x.element_size())
+            rows.append({**common, "scheme": scheme, "path": name, "transport": transport,
+                         "time_s": time_s, "fastest_rank_s": fastest, "speedup": unsplit / time_s,
+                         "efficiency": unsplit / time_s / p, "tokens_per_s": args.batch * s / time_s,
+                         "weak_efficiency": base / time_s if mode == "weak" else None,
+                         "bytes_per_rank": max(host.allgather_object(sent)) if counted else None,
+                         "predicted_bytes_per_rank": predicted if p > 1 else 0,
+                         "max_rel_error": max(host.allgather_object(error))})
+            log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:13} {time_s * 1e3:9.2f} ms  "
+                f"speedup {unsplit / time_s:5.2f}x  error {rows[-1]['max_rel_error']:.1e}")
+    del x_full, expected
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def component_rows(host, nccl, vendor, dtype_name, args):
+    """The pieces of one K (or V) all-gather at the strong configuration: what the cost model adds up."""
+    p, dtype = host.size, DTYPES[dtype_name]
+    shard_gpu = torch.randn(args.batch, args.seq // p, args.hidden, device=args.device).to(dtype)  # (b, s/p, h)
+    host_shard = to_host(shard_gpu)
+    gathered_host = tplab.allgather(host_shard, host, algorithm="builtin", check=False)
+    pieces = [("d2h_copy", lambda: shard_gpu.cpu()),
+              ("host_ring_allgather", lambda: tplab.allgather(host_shard, host, algorithm="ring", check=False)),
+              ("host_mpi_allgather", lambda: tplab.allgather(host_shard, host, algorithm="builtin", check=False)),
+              ("h2d_copy", lambda: gathered_host.to(args.device))]
+    if nccl is not None:
+        pieces += [("direct_ring_allgather", lambda: tplab.allgather(shard_gpu, nccl, algorithm="ring", check=False)),
+                   ("direct_nccl_allgather", lambda: tplab.allgather(shard_gpu, nccl, algorithm="builtin",
+                                                                     check=False))]
+    elif vendor is not None:
+        pieces += [("direct_vendor_allgather", lambda: vendor(shard_gpu, host))]
+    rows = []
+    for name, fn in pieces:
+        time_s, fastest = measure(fn, host, args)
+        rows.append({"kind": "component", "component": name, "p": p, "dtype": dtype_name, "hidden": args.hidden,
+                     "seq_len": args.seq, "batch": args.batch, "bytes_per_rank": shard_gpu.numel() * shard_gpu.element_size(),
+                     "time_s": time_s, "fastest_rank_s": fastest})
+        log(f"  component {name:24} {time_s * 1e3:9.3f} ms")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--modes", default="strong,weak")
+    parser.add_argument("--schemes", default="allgather_kv,ulysses,ring")
+    parser.add_argument("--weak-schemes", default="allgather_kv", help="schemes also run in weak scaling")
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--heads", type=int, default=40)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    parser.add_argument("--causal", action="store_true", help="causal attention (seed 001: full attention)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-components", action="store_true")
+    parser.add_argument("--watchdog", type=float, default=300.0, help="seconds before a stuck config aborts")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
+    args = parser.parse_args()
+    args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
+
+    if args.device == "cuda":
+        bind_gpu()
+    host = world()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    nccl, problem = tplab_nccl(host) if args.device == "cuda" else (None, "CPU dry run")
+    paths = paths_here(host, nccl, problem, args.schemes, args.device)
+    vendor = next((path[3]["gather"] for path in paths if path[0] == "direct_vendor"), None)
+    machine = machine_description(host, args.device)
+    log(f"p = {host.size}: {machine}\n  direct path: {'tplab.comm.nccl' if nccl else 'torch.distributed (' + problem + ')'}")
+
+    out = Path(args.out_dir)
+    if args.device == "cuda":
+        card = torch.cuda.get_device_properties(0).name.replace("NVIDIA ", "").replace(" ", "-")
+        csv_path = out / f"sequence_parallel_gpu_{torch.cuda.device_count()}x-{card}.csv"
+    else:
+        csv_path = out / "sequence_parallel_cpu_dry_run.csv"
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        block = make_block(args.hidden, args.heads, dtype=DTYPES[dtype_name], device=args.device, seed=0)
+        same_everywhere(list(block.parameters()), host)  # sequence parallelism replicates the weights
+        whole = unsplit_layer(block, causal=args.causal)  # seed 001's "1 GPU": the layer, all tokens
+        x_start = make_input(args.batch, args.seq, args.hidden, dtype=DTYPES[dtype_name], device=args.device, seed=1)
+        same_everywhere([x_start], host)
+        base = unsplit_time(whole, x_start, host, args)  # the starting problem on one GPU
+        del x_start
+        for mode in args.modes.split(","):
+            rows += layer_rows(host, paths, block, whole, dtype_name, mode, args, base)
+        del block, whole
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        if not args.no_components and host.size > 1:
+            rows += component_rows(host, nccl, vendor, dtype_name, args)
+    faulthandler.cancel_dump_traceback_later()
+    if host.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        fresh = not csv_path.exists()
+        with open(csv_path, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            if fresh:
+                writer.writeheader()
+            stamp = datetime.datetime.now().isoformat(timespec="seconds")
+            for row in rows:
+                gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (CPU)"
+                writer.writerow({"machine": machine, "gpu": gpu, "run_ranks": host.size, "iters": args.iters,
+                                 "warmup": args.warmup, "date": stamp, **row})
+        print(f"{len(rows)} rows -> {csv_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
