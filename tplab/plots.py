@@ -3,6 +3,7 @@
     draw_allreduce_steps(traces)   which rank's contribution sits where after each step (from a real run)
     plot_times(df)                 time vs message size, one line per algorithm (log-log)
     plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
+    plot_overlap_sweep(df)         a layer's time and hidden fraction against the chunk count (tplab.overlap)
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def plot_timeline(df, title=None, ax=None, colors=None):
     else:
         fig = ax.figure
     row_of = {key: i for i, key in enumerate(rows)}
-    for kind, group in df.groupby("kind", sort=False):
+    kinds = [k for k in colors if k in set(df["kind"])] + sorted(set(df["kind"]) - set(colors))
+    for kind in kinds:
+        group = df[df["kind"] == kind]
         y = [row_of[(r, lane)] for r, lane in zip(group["rank"], group["lane"])]
         ax.barh(y, (group["end"] - group["start"]) * 1e3, left=group["start"] * 1e3, height=0.7,
                 color=colors.get(kind, "tab:gray"), edgecolor="black", linewidth=0.3, label=kind)
@@ -158,4 +161,41 @@ def plot_timeline(df, title=None, ax=None, colors=None):
     ax.legend(fontsize=8, loc="lower right")
     if title:
         ax.set_title(title)
+    return fig
+
+
+def plot_overlap_sweep(df, title=None, axes=None):
+    """Two panels from ``tplab.overlap.overlap_sweep`` rows (one layer): left, the layer's time against the
+    chunk count k -- overlapped, without overlap, compute alone (unchunked and chunked), and the pipeline
+    model's prediction when present; right, the hidden fraction (1: all communication hidden, 0: none)."""
+    if axes is None:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4), constrained_layout=True)
+    fig = axes[0].figure
+    df = df.sort_values("chunks")
+    k = df["chunks"]
+    left, right = axes
+    left.plot(k, df["overlapped_ms"], "o-", color="tab:green", label="overlapped (chunked, comm in flight)")
+    left.plot(k, df["no_overlap_ms"], "--", color="tab:red", label="no overlap (the layer as it is)")
+    left.plot(k, df["compute_ms"], "--", color="tab:blue", label="compute alone (collectives as no-ops)")
+    left.plot(k, df["compute_chunked_ms"], ":", marker=".", color="tab:blue", label="compute alone, chunked")
+    left.plot(k, df["compute_ms"] + df["comm_ms"], ":", color="gray", label="compute + comm alone")
+    if "predicted_ms" in df:
+        left.plot(k, df["predicted_ms"], "s", mfc="none", color="tab:green", label="pipeline model")
+    left.set(xscale="log", xlabel="chunks k", ylabel="time per forward pass (ms)", ylim=(0, None))
+    left.set_xticks(list(k), [str(v) for v in k])
+    left.legend(fontsize=7)
+    right.plot(k, df["hidden_fraction"], "o-", color="tab:green", label="measured")
+    if "predicted_hidden_fraction" in df:
+        right.plot(k, df["predicted_hidden_fraction"], "s--", mfc="none", color="tab:green", label="pipeline model")
+    right.axhline(1, color="gray", lw=1)
+    right.axhline(0, color="gray", lw=1, ls="--")
+    right.axhline(0.75, color="tab:orange", lw=1, ls=":", label="issue 7's goal: 75% hidden")
+    right.set(xscale="log", xlabel="chunks k", ylabel="hidden fraction = 1 - exposed / comm alone")
+    right.set_xticks(list(k), [str(v) for v in k])
+    right.legend(fontsize=7)
+    for ax in axes:
+        ax.xaxis.set_minor_locator(plt.NullLocator())  # only the chunk counts on the log axis
+        ax.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
     return fig

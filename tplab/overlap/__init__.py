@@ -11,7 +11,9 @@
     pipeline.py           chunk bounds; finished collectives wired back into autograd
     nullcomm.py           NullComm / without_communication: the layer with its collectives as no-ops
     trace.py              Tracer: per-rank compute / comm / wait intervals, a DataFrame, Chrome trace JSON
-    metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts
+    metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts;
+                          pipeline_model (what a two-stage pipeline predicts)
+    experiments.py        notebook 06's experiments on a small TP block (run on every rank)
 
     h = iallreduce(x, comm, algorithm="ring"); ...compute...; y = h.wait()
     fast = overlapped(parallel_mlp, chunks=4)          # equal to parallel_mlp(x) to rounding
@@ -20,7 +22,7 @@
 
 from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock, overlapped
 from tplab.overlap.chunked_mlp import OverlappedMLP, OverlappedRowParallelLinear
-from tplab.overlap.metrics import collectives_of, overlap_sweep, time_forward
+from tplab.overlap.metrics import collectives_of, overlap_sweep, pipeline_model, time_forward
 from tplab.overlap.mpi_progress import progress_experiment
 from tplab.overlap.nonblocking import (
     Handle,
@@ -49,6 +51,7 @@ __all__ = [
     "ireduce_scatter",
     "overlap_sweep",
     "overlapped",
+    "pipeline_model",
     "progress_experiment",
     "running_threads",
     "shutdown",

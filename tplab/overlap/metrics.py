@@ -82,7 +82,7 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
     ParallelAttention, RowParallelLinear, ParallelBlock) on input ``x``, pipelined over each chunk count.
     Collective (run on every rank); a DataFrame, one row per chunk count, the same on every rank."""
     import pandas as pd
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     def timed(fn):
         return time_forward(fn, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3  # ms
@@ -113,3 +113,29 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
     finally:
         mappings.check_arguments = was_checking
     return pd.DataFrame(rows)
+
+
+def pipeline_model(df):
+    """The sweep's prediction by a two-stage pipeline model, added as columns.
+
+    Chunk i's compute (c = compute_ms / k) and its communication (m) take turns on two resources; with k
+    chunks the layer takes  T(k) = c + (k - 1)·max(c, m) + m:  the first chunk's compute and the last
+    chunk's communication are never hidden. The communication of one chunk is m = a + b/k: a fixed part
+    per collective (latency: 2(p-1)α for a ring) and a part that shrinks with the chunk (bytes·β, γ),
+    fitted to the measured comm_chunked_ms = k·a + b by least squares. Perfect overlap (no contention
+    for cores, memory or SMs) is assumed: the measurement falls short of it by that contention."""
+    import numpy as np
+
+    df = df.copy()
+    k = df["chunks"].to_numpy(dtype=float)
+    if len(df) >= 2 and np.ptp(k) > 0:
+        a, b = np.linalg.lstsq(np.stack([k, np.ones_like(k)], axis=1), df["comm_chunked_ms"].to_numpy(), rcond=None)[0]
+        a, b = max(a, 0.0), max(b, 0.0)
+    else:
+        a, b = 0.0, float(df["comm_ms"].iloc[0])
+    c, m = df["compute_ms"].to_numpy() / k, a + b / k
+    df["latency_per_chunk_ms"], df["bandwidth_part_ms"] = a, b
+    df["predicted_ms"] = c + (k - 1) * np.maximum(c, m) + m
+    df["predicted_exposed_ms"] = df["predicted_ms"] - df["compute_ms"]
+    df["predicted_hidden_fraction"] = 1 - df["predicted_exposed_ms"] / df["comm_ms"]
+    return df

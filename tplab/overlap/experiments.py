@@ -1,0 +1,75 @@
+"""The experiments of notebook 06, as functions every rank runs (``cluster.run(f, ...)``): a small TP
+transformer block, its overlapped versions checked against it, traced, and swept over chunk counts.
+
+    block, x = make_block(hidden=256, heads=8, seq=128, batch=2)   # the same weights and input everywhere
+    check_block(chunk_counts)        # max |overlapped - plain| per k (float64), the same on every rank
+    trace_block(chunks)              # the traced intervals of one forward pass (rank 0; None elsewhere)
+    sweep_block(chunk_counts)        # metrics.overlap_sweep of the block (+ the pipeline model's columns)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tplab.comm import world
+from tplab.layers import mappings
+from tplab.overlap.chunked_attention import overlapped
+from tplab.overlap.metrics import overlap_sweep, pipeline_model
+from tplab.overlap.trace import Tracer
+
+
+def make_block(hidden=256, heads=8, seq=128, batch=2, dtype=torch.float32, seed=0, comm=None):
+    """A tensor-parallel GPT block (tplab.models' ParallelBlock: LayerNorm, attention, MLP 4h) over
+    ``comm`` (default: MPI's world) and an input (batch, seq, hidden), the same on every rank."""
+    from tplab.models import GPT, GPTConfig
+    from tplab.models.parallel import ParallelBlock
+
+    comm = comm or world()
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=comm.size, n_layer=1, n_head=heads, n_embd=hidden, block_size=seq, dtype=dtype)
+    block = ParallelBlock(GPT(config).blocks[0], comm)
+    x = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    return block, x
+
+
+def check_block(chunk_counts=(1, 2, 4, 8), **shape) -> list[dict]:
+    """Overlapped block vs the plain one in float64: largest difference of the output and of dL/dx."""
+    block, x = make_block(dtype=torch.float64, **shape)
+    rows = []
+    for k in chunk_counts:
+        outs = []
+        for layer in (block, overlapped(block, k)):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.square().sum().backward()
+            outs.append((y.detach(), xi.grad))
+        (y, dx), (y2, dx2) = outs
+        rows.append({"chunks": k, "max |y - y_plain|": (y - y2).abs().max().item(),
+                     "max |dx - dx_plain|": (dx - dx2).abs().max().item(), "bitwise equal": torch.equal(y, y2)})
+    return rows
+
+
+def trace_block(chunks=4, warmup=2, **shape):
+    """One traced forward pass of the block pipelined over ``chunks`` (after ``warmup`` untraced ones),
+    without the collectives' argument checks (as when timing)."""
+    block, x = make_block(**shape)
+    layer = overlapped(block, chunks)
+    tracer = Tracer(world())
+    was_checking, mappings.check_arguments = mappings.check_arguments, False
+    try:
+        with torch.no_grad():
+            for _ in range(warmup):
+                layer(x)
+            tracer.restart()
+            with tracer:
+                layer(x)
+    finally:
+        mappings.check_arguments = was_checking
+    return tracer.gather()
+
+
+def sweep_block(chunk_counts=(1, 2, 4, 8), iters=10, warmup=2, **shape):
+    """Exposed communication and hidden fraction of the block over ``chunk_counts`` (metrics.py), with the
+    pipeline model's prediction (metrics.pipeline_model)."""
+    block, x = make_block(**shape)
+    return pipeline_model(overlap_sweep(block, x, world(), chunk_counts, iters=iters, warmup=warmup))
