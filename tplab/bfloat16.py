@@ -65,3 +65,21 @@ class Bfloat16ReduceOp(ReduceOp):
 def bfloat16_op(op) -> Bfloat16ReduceOp:
     base = get_op(op)
     return Bfloat16ReduceOp(base.name, base.ufunc, base.mpi_name)
+
+
+def widen(bits):
+    """bfloat16 bits (CuPy int16) -> float32, exactly."""
+    import cupy
+
+    return (bits.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def narrow(values):
+    """float32 (CuPy) -> bfloat16 bits as int16, rounded to nearest even."""
+    k = _kernels.get("narrow")
+    if k is None:
+        import cupy
+
+        k = _kernels["narrow"] = cupy.ElementwiseKernel("float32 f", "int16 z", "z = float_to_bf16(f);",
+                                                        "tplab_bf16_narrow", preamble=_PREAMBLE)
+    return k(values)

@@ -1,9 +1,13 @@
 """tplab.comm — the wire. ``world()`` is the usual entry point; ``MPIComm(c)`` wraps any mpi4py communicator;
-``EmulatedNetwork(comm, ranks_per_node)`` makes messages between emulated nodes pay a network's price."""
+``EmulatedNetwork(comm, ranks_per_node)`` makes messages between emulated nodes pay a network's price.
+GPU memory: ``nccl_world()`` (NCCL, one rank per GPU) and ``StagedComm`` (MPI through host buffers); both
+import CuPy only when used."""
 
 from tplab.comm.base import Communicator, CommTimeoutError, Request
 from tplab.comm.emulated import EmulatedNetwork
 from tplab.comm.mpi import MPIComm
+from tplab.comm.nccl import NcclComm, nccl_world
+from tplab.comm.staged import StagedComm
 
 _world = None
 
@@ -19,4 +23,5 @@ def world(timeout: float | None = None) -> MPIComm:
     return _world
 
 
-__all__ = ["Communicator", "CommTimeoutError", "EmulatedNetwork", "MPIComm", "Request", "world"]
+__all__ = ["Communicator", "CommTimeoutError", "EmulatedNetwork", "MPIComm", "NcclComm", "Request", "StagedComm",
+           "nccl_world", "world"]
