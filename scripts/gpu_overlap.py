@@ -37,14 +37,18 @@ Outputs in OUT_DIR: overlap_gpu-<card>-x<p>_cdmc-<value>.csv (one row per layer,
 on the compute and the communication stream), and a summary printed by rank 0. Acceptance (issue 7): the
 block's exposed communication <= 25% of its standalone communication (hidden_fraction >= 0.75) for some k.
 
-`--device cpu` runs the same code on CPU ranks with gloo and a tiny configuration (a smoke test of the
-script itself; the numbers mean nothing).
+`--device cpu` runs the same measurement on CPU ranks in float32, through tplab's MPI communicator and its
+progress threads (path "tplab MPI"), at a small default size (hidden 512, 8 heads, sequence 256, batch 2),
+and writes overlap_cpu-<cpu>_<p>-ranks_<mpi>.csv: the CPU reference of data/ comes from
+
+    OMP_NUM_THREADS=1 mpiexec -n 4 python scripts/gpu_overlap.py data/ --device cpu --layers block,mlp
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 import time
@@ -59,7 +63,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear  # noqa: E402
-from tplab.overlap import Tracer, overlap_sweep, with_comm, write_chrome_trace  # noqa: E402
+from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -129,11 +133,25 @@ def machine_name(device) -> str:
         version = torch.cuda.nccl.version()
         nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         return f"{WORLD.size}x {card}, torch {torch.__version__}, NCCL {nccl}"
-    return f"{WORLD.size} CPU ranks (smoke test), torch {torch.__version__}"
+    return (f"{WORLD.size} MPI ranks on a {os.cpu_count()}-core {cpu_model()} ({mpi_library()}), "
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1] for line in f if line.startswith("model name"))
+        return " ".join(w for w in re.sub(r"\((R|TM)\)", "", name).split() if w not in ("CPU", "Processor"))
+    except (OSError, StopIteration):
+        return "CPU"
+
+
+def mpi_library() -> str:
+    return " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split(",")[0].split())
 
 
 def slug(text) -> str:
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in text.lower()).strip("-")
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
 def tplab_nccl_comm():
@@ -149,10 +167,11 @@ def tplab_nccl_comm():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--hidden", type=int, default=5120)
-    parser.add_argument("--heads", type=int, default=40)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--hidden", type=int, help="default 5120 (GPU), 512 (CPU)")
+    parser.add_argument("--heads", type=int, help="default 40 (GPU), 8 (CPU)")
+    parser.add_argument("--seq", type=int, help="default 4096 (GPU), 256 (CPU)")
+    parser.add_argument("--batch", type=int, help="default 4 (GPU), 2 (CPU)")
+    parser.add_argument("--algorithm", default="ring", help="tplab's algorithm (the tplab paths)")
     parser.add_argument("--chunks", default="1,2,4,8")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -162,58 +181,67 @@ def main():
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
+    for name, gpu_default, cpu_default in [("hidden", 5120, 512), ("heads", 40, 8), ("seq", 4096, 256), ("batch", 4, 2)]:
+        if getattr(args, name) is None:
+            setattr(args, name, gpu_default if cuda else cpu_default)
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     if cuda:
         local = WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         torch.cuda.set_device(local)
         device, dtype = torch.device("cuda", local), torch.bfloat16
+        init_torch_distributed("nccl", device)
+        paths = {"torch.distributed": TorchDistComm()}
+        stem = f"overlap_gpu-{slug(torch.cuda.get_device_name(device))}-x{WORLD.size}_cdmc-{slug(connections.split()[0])}"
     else:
+        from tplab.comm import world
+
         device, dtype = torch.device("cpu"), torch.float32
-    init_torch_distributed("nccl" if cuda else "gloo", device)
-    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)")
+        paths = {"tplab MPI": world()}
+        stem = f"overlap_cpu-{slug(cpu_model())}-{os.cpu_count()}-core_{WORLD.size}-ranks_{slug(mpi_library())}"
     machine = machine_name(device)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"{slug(torch.cuda.get_device_name(device)) if cuda else 'cpu-smoke'}-x{WORLD.size}"
-    csv = out / f"overlap_gpu-{tag}_cdmc-{slug(connections.split()[0])}.csv"
+    csv = out / f"{stem}.csv"
     if WORLD.rank == 0:
         print(f"{machine}; CUDA_DEVICE_MAX_CONNECTIONS={connections}; "
               f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', 'unset')}", flush=True)
 
     torch.manual_seed(0)  # the same weights on every rank (each keeps its shard): not needed for timing
-    torch_comm = TorchDistComm()
+    first_comm = next(iter(paths.values()))
     with torch.device(device):
-        block = Block(args.hidden, args.heads, torch_comm, dtype)
+        block = Block(args.hidden, args.heads, first_comm, dtype)
         x = torch.randn(args.batch, args.seq, args.hidden, dtype=dtype)  # (b, s, h), replicated
     # (layer, its input): the block, its two halves, and the MLP under sequence parallelism (the same
     # weights; input: my slice of the sequence, (s/p, b, h); an all-gather before, a reduce-scatter after)
     mlp_sp = ParallelMLP(block.mlp.up, block.mlp.down, sequence_parallel=True)
     x_sp = x.transpose(0, 1).chunk(WORLD.size)[WORLD.rank].contiguous()
     layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp)}
-    paths = {"torch.distributed": torch_comm}
     if "tplab ring" in args.paths and cuda:
         comm, why = tplab_nccl_comm()
         if comm is not None:
             paths["tplab ring"] = comm
         elif WORLD.rank == 0:
             print(f"tplab ring over NCCL skipped: {why}", flush=True)
-    paths = {name: c for name, c in paths.items() if name in args.paths}
+    paths = {name: c for name, c in paths.items() if name in args.paths or not cuda}
     chunk_counts = [int(k) for k in args.chunks.split(",")]
 
     frames = []
     for path, comm in paths.items():
         for layer_name in args.layers.split(","):
             layer, layer_input = layers[layer_name]
-            for m in layer.modules():  # tplab's hand-written path: the ring; torch.distributed ignores it
+            for m in layer.modules():  # tplab's hand-written algorithm; torch.distributed ignores it
                 if hasattr(m, "algorithm"):
-                    m.algorithm = "ring"
+                    m.algorithm = args.algorithm
             t = time.perf_counter()
             with with_comm(layer, comm):
                 df = overlap_sweep(layer, layer_input, comm, chunk_counts, iters=args.iters, warmup=args.warmup, cuda=cuda)
+            df = pipeline_model(df)
             df.insert(0, "machine", machine)
             df.insert(1, "path", path)
             df["layer"] = layer_name
-            df["cuda_device_max_connections"] = connections
-            df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
+            if cuda:
+                df["cuda_device_max_connections"] = connections
+                df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
             df["batch"], df["seq"], df["heads"] = args.batch, args.seq, args.heads
             frames.append(df)
             if WORLD.rank == 0:
@@ -223,30 +251,29 @@ def main():
                       flush=True)
                 pd.concat(frames).to_csv(csv, index=False)  # written as it goes: a crash keeps what was measured
 
-    # a timeline of the block at k = 4 (torch.distributed), from CUDA events on both streams
-    from tplab.overlap import overlapped
-
+    # a timeline of the block at k = 4 (first path), from CUDA events on both streams on GPUs
     chunked = overlapped(block, 4)
     with torch.no_grad():
         for _ in range(3):
             chunked(x)
-        tracer = Tracer(torch_comm, gpu=cuda)
+        tracer = Tracer(first_comm, gpu=cuda)
         with tracer:
             chunked(x)
     df = tracer.gather()
     if WORLD.rank == 0:
-        write_chrome_trace(df, out / f"overlap_gpu-{tag}_cdmc-{slug(connections.split()[0])}_trace_k4.json")
+        write_chrome_trace(df, out / f"{stem}_trace_k4.json")
         import matplotlib
 
         matplotlib.use("Agg")
         from tplab.plots import plot_timeline
 
-        fig = plot_timeline(df, title=f"block, k=4, {machine}, CUDA_DEVICE_MAX_CONNECTIONS={connections}")
-        fig.savefig(out / f"overlap_gpu-{tag}_cdmc-{slug(connections.split()[0])}_timeline_k4.png", dpi=110)
+        fig = plot_timeline(df, title=f"block, k=4, {machine}" + (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
+        fig.savefig(out / f"{stem}_timeline_k4.png", dpi=110)
         best = pd.concat(frames).query("layer == 'block'").sort_values("hidden_fraction", ascending=False)
         print(f"\nwrote {csv}\nbest block rows:\n"
               f"{best[['path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(4).round(3).to_string(index=False)}")
-    dist.destroy_process_group()
+    if cuda:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
