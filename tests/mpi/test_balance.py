@@ -73,12 +73,13 @@ def test_padded_and_packed_items_give_the_serial_result(batching, strategy):
         agree((work["slots"] == work["tokens"]).all(), "packing computed padding")
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
 @pytest.mark.parametrize("n_items", [0, 1, max(P - 1, 1), 3 * P + 1])
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_dynamic_queue_hands_out_every_item_once_and_terminates(n_items, tp):
+def test_dynamic_queue_hands_out_every_item_once_and_terminates(n_items, tp, lookahead):
     groups = data_parallel_groups(C, tp, timeout=20)
     timeline = Timeline(COMM.rank)
-    got = list(WorkQueue(groups, range(n_items), timeline))
+    got = list(WorkQueue(groups, range(n_items), timeline, lookahead))
     everyone = COMM.allgather((groups.index, groups.is_leader, got))
     per_group = {g: items for g, leader, items in everyone if leader}
     handed = sorted(i for items in per_group.values() for i in items)

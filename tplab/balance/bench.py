@@ -133,42 +133,68 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mpi}, torch {torch.__version__}"
 
 
-def main(argv=None):
+# The workloads of the recorded CSVs: a long tail (max/median ~ 30 at 64 requests), two peaks, and flat.
+WORKLOADS = {
+    "lognormal": {"median": 48, "sigma": 1.5, "max_length": 2048},
+    "bimodal": {"long_fraction": 0.2, "max_length": 1024},
+    "uniform": {"max_length": 1024},
+}
+
+
+def _append_csv(rows, path):
     import pandas as pd
 
-    parser = argparse.ArgumentParser(description="load-balancing strategies on the MPI ranks (run under mpiexec)")
+    df = pd.DataFrame(rows)
+    df.to_csv(path, mode="a", header=not os.path.exists(path), index=False)
+    return df
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="load balancing and pipelining on the MPI ranks (under mpiexec)")
     parser.add_argument("--tp", default="1", help="TP sizes, comma-separated (each must divide the ranks)")
-    parser.add_argument("--distributions", default="lognormal,bimodal,uniform")
+    parser.add_argument("--distributions", default=",".join(WORKLOADS))
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("-n", "--requests", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--machine", default=None, help="describes the machine in the CSV (default: detected)")
-    parser.add_argument("--csv", required=True)
+    parser.add_argument("--csv", help="strategies: one row per (workload, tp, strategy, repeat)")
+    parser.add_argument("--pipeline-csv", help="GPipe: one row per (tp, m, micro-batching, repeat)")
+    parser.add_argument("--pipeline-requests", type=int, default=32)
     args = parser.parse_args(argv)
 
     from tplab.comm import world
 
     comm = world()
-    model = build_model(n_layer=args.layers, n_embd=args.hidden, block_size=max(args.max_length, 16))
     machine = args.machine or machine_description()
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    model = build_model(n_layer=args.layers, n_embd=args.hidden, block_size=2048)
+    labels = {"machine": machine, "seed": args.seed, "n_layer": args.layers, "n_embd": args.hidden}
     for tp in [int(t) for t in args.tp.split(",")]:
         cost = calibrate(model, tp, comm=comm)
-        for distribution in args.distributions.split(","):
-            requests = make_requests(distribution, args.requests, seed=args.seed, max_length=args.max_length)
+        say(f"\n{comm.size} ranks, tp {tp}: fitted {cost}", flush=True)
+        for distribution in args.distributions.split(",") if args.csv else []:
+            options = WORKLOADS[distribution]
+            requests = make_requests(distribution, args.requests, seed=args.seed, **options)
             rows, _ = measure_strategies(model, requests, args.strategies.split(","), tp=tp, repeats=args.repeats,
-                                         cost=cost, comm=comm, machine=machine, distribution=distribution,
-                                         max_length=args.max_length, seed=args.seed, n_layer=args.layers,
-                                         n_embd=args.hidden, cost_model=str(cost))
+                                         cost=cost, comm=comm, distribution=distribution,
+                                         max_length=options["max_length"], cost_model=str(cost), **labels)
             if comm.rank == 0:
-                df = pd.DataFrame(rows)
-                df.to_csv(args.csv, mode="a", header=not os.path.exists(args.csv), index=False)
-                summary = df.groupby("strategy", sort=False)[["makespan_s", "imbalance", "tokens_per_s"]].median()
-                print(f"\n{comm.size} ranks, tp {tp}, {distribution}: {describe([r.length for r in requests])}")
-                print(summary.round(4).to_string(), flush=True)
+                df = _append_csv(rows, args.csv)
+                say(f"{distribution}: {describe([r.length for r in requests])}")
+                columns = ["makespan_s", "predicted_makespan_s", "imbalance", "tokens_per_s"]
+                say(df.groupby("strategy", sort=False)[columns].median().round(4).to_string(), flush=True)
+        if args.pipeline_csv and comm.size // tp <= args.layers:
+            requests = make_requests("lognormal", args.pipeline_requests, seed=args.seed, **WORKLOADS["lognormal"])
+            m_values = [m for m in (1, 2, 4, 8, 16) if m <= len(requests)]
+            rows, _ = measure_pipeline(model, requests, m_values, tp=tp, repeats=args.repeats, cost=cost, comm=comm)
+            if comm.rank == 0:
+                rows = [{**labels, "distribution": "lognormal", **row} for row in rows]
+                df = _append_csv(rows, args.pipeline_csv)
+                columns = ["makespan_s", "bubble", "bubble_formula", "bubble_unequal_formula"]
+                say(df.groupby(["micro_batching", "m"])[columns].median().round(3).to_string(), flush=True)
 
 
 if __name__ == "__main__":

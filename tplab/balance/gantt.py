@@ -2,6 +2,7 @@
 
     plot_gantt(df)                       bars coloured by ``color_by`` (default: the work item)
     plot_gantt(df, label="item")         with each bar's item written on it (when it fits)
+    as_trace(df)                         the same rows for tplab.plots.plot_timeline (the overlap tracer's view)
 
 Idle time is the white between bars; the makespan is the right edge of the last bar (drawn as a
 dashed line). Returns the Figure (or draws into ``ax``).
@@ -50,3 +51,12 @@ def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=N
         unique = dict(zip(labels, handles))
         ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=min(len(unique), 6), loc="upper right")
     return fig
+
+
+def as_trace(df):
+    """The intervals in the columns of tplab.overlap's tracer (rank, lane, kind, start, end), so that
+    ``tplab.plots.plot_timeline`` draws them too: work items are "compute", queue pulls "wait"."""
+    out = df.copy()
+    out["lane"] = "main"
+    out["kind"] = out["what"].map({"pull": "wait"}).fillna("compute") if "what" in out else "compute"
+    return out

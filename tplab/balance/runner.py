@@ -59,9 +59,10 @@ def work_items(requests, batching="single", max_tokens=None, batch_size=None, so
 
 def run_requests(model, requests, comm=None, *, strategy="lpt", tp=1, batching="single", max_tokens=None,
                  batch_size=None, sort_batches=False, cost: SequenceCost | None = None, keep_outputs=False,
-                 timeout=600.0) -> RunResult:
+                 lookahead=1, timeout=600.0) -> RunResult:
     """Run ``requests`` (workloads.Request, the same list on every rank) through ``model`` (the same
-    unsplit GPT on every rank) on DP groups of ``tp`` ranks. Collective over ``comm`` (default: world)."""
+    unsplit GPT on every rank) on DP groups of ``tp`` ranks. Collective over ``comm`` (default: world).
+    ``lookahead``: the dynamic queue's (workqueue.WorkQueue)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     if comm is None:
@@ -90,7 +91,7 @@ def run_requests(model, requests, comm=None, *, strategy="lpt", tp=1, batching="
     outputs = {}
     groups.control.barrier()
     timeline.restart()
-    queue = mine if assignment is not None else WorkQueue(groups, order, timeline)
+    queue = mine if assignment is not None else WorkQueue(groups, order, timeline, lookahead)
     with torch.no_grad():
         for k in queue:
             batch = batches[k]
