@@ -28,7 +28,7 @@ from tplab.overlap import (  # noqa: E402
     running_threads,
     shutdown,
 )
-from tplab.overlap import nonblocking  # noqa: E402
+from tplab.overlap import progress_thread  # noqa: E402
 
 P, R = COMM.size, COMM.rank
 C = world(timeout=10)
@@ -101,7 +101,7 @@ def test_bad_arguments_are_an_error_on_every_rank():
 
 def test_an_error_in_the_thread_is_raised_by_wait_and_fails_what_follows():
     sub = C.split(0)
-    engine = nonblocking.engine_for(sub)
+    engine = progress_thread.engine_for(sub)
     first = engine.submit("boom", lambda comm: 1 / 0)
     second = iallreduce(data(3, 0), sub, algorithm="ring")
     with pytest.raises(ZeroDivisionError):
@@ -116,7 +116,7 @@ def test_thread_level_below_multiple_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
     with pytest.raises(RuntimeError, match="MPI_THREAD_MULTIPLE"):
-        nonblocking.require_thread_multiple()
+        progress_thread.require_thread_multiple()
 
 
 # ---- overlapped layers ----------------------------------------------------------------------------------------------

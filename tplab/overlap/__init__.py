@@ -2,6 +2,8 @@
 
     nonblocking.py        iallreduce / ireduce_scatter / iallgather -> Handle (wait, test), for every
                           hand-written algorithm: a progress thread per communicator (host memory)
+    progress_thread.py    that thread: FIFO, a duplicate communicator, MPI_THREAD_MULTIPLE, shutdown()
+    handles.py            Handle: wait(), test()
     streams.py            the same for CUDA tensors: the collective on a side stream, events between
     mpi_progress.py       why MPI's own MPI_Iallreduce hides nothing unless something drives its progress
     chunked_mlp.py        OverlappedMLP (tensor- and sequence-parallel), OverlappedRowParallelLinear:
@@ -24,15 +26,9 @@ from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock
 from tplab.overlap.chunked_mlp import OverlappedMLP, OverlappedRowParallelLinear
 from tplab.overlap.metrics import collectives_of, overlap_sweep, pipeline_model, time_forward
 from tplab.overlap.mpi_progress import progress_experiment
-from tplab.overlap.nonblocking import (
-    Handle,
-    iallgather,
-    iallreduce,
-    ireduce_scatter,
-    running_threads,
-    shutdown,
-    waitall,
-)
+from tplab.overlap.handles import Handle, waitall
+from tplab.overlap.nonblocking import iallgather, iallreduce, ireduce_scatter
+from tplab.overlap.progress_thread import running_threads, shutdown
 from tplab.overlap.nullcomm import NullComm, with_comm, without_communication
 from tplab.overlap.trace import Tracer, chrome_trace, write_chrome_trace
 

@@ -107,7 +107,7 @@ class OverlappedMLP(nn.Module):
         return overlapped_reduce(rows, mlp.comm, mlp.algorithm, self.chunks, self.partial, "MLP").reshape(x.shape)
 
     def _sequence_parallel(self, x):  # x: (s/p, b, h), my slice of the sequence
-        mlp, comm, algorithm = self.mlp, self.mlp.comm, self.mlp.algorithm
+        comm, algorithm = self.mlp.comm, self.mlp.algorithm
         check = mappings.check_arguments
         pieces = [x[a:b] for a, b in chunk_bounds(x.shape[0], self.chunks)]  # (n_j, b, h) each
 

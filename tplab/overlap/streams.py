@@ -27,7 +27,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from tplab.overlap import trace
-from tplab.overlap.nonblocking import Handle
+from tplab.overlap.handles import Handle
 
 _NOTHING = nullcontext()
 
