@@ -50,11 +50,17 @@ def cuda_aware_mpi() -> bool:
     return bool(query())
 
 
-def _cupy_if_cuda(buf):
-    """A CUDA tensor as the CuPy array over the same memory (bfloat16 as int16); anything else unchanged."""
-    if type(buf) is np.ndarray or not (type(buf).__module__.startswith("torch") and buf.device.type == "cuda"):
+def _gpu_bytes(buf):
+    """A GPU message as the bytes it holds (a uint8 CuPy view of the same memory, for CuPy arrays and CUDA
+    tensors alike): MPI then moves any dtype, float16 and bfloat16 included, which Open MPI 4 cannot type.
+    Host arrays are left as they are."""
+    if type(buf) is np.ndarray:
         return buf
-    return as_array(buf)[0]
+    if type(buf).__module__.startswith("torch") and buf.device.type == "cuda":
+        buf = as_array(buf)[0]
+    if is_gpu_array(buf):
+        return buf.reshape(-1).view(np.uint8)
+    return buf
 
 
 class _Staged:
@@ -145,25 +151,25 @@ class StagedComm(Communicator):
             self._copies_from_recv_staging = cupy.cuda.Event(block=False, disable_timing=True)
             self._copies_from_recv_staging.record(stream)
 
-    # ---- point-to-point (a CUDA tensor is handled as the CuPy array over its memory) -------------------------
+    # ---- point-to-point (GPU messages travel as bytes: see _gpu_bytes) -------------------------------------------
     def send(self, buf, dest: int, tag: int = 0) -> None:
-        super().send(_cupy_if_cuda(buf), dest, tag)
+        super().send(_gpu_bytes(buf), dest, tag)
 
     def recv(self, buf, source: int, tag: int = 0):
-        super().recv(_cupy_if_cuda(buf), source, tag)
+        super().recv(_gpu_bytes(buf), source, tag)
         return buf
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0):
-        super().sendrecv(_cupy_if_cuda(sendbuf), dest, _cupy_if_cuda(recvbuf), source, tag)
+        super().sendrecv(_gpu_bytes(sendbuf), dest, _gpu_bytes(recvbuf), source, tag)
         return recvbuf
 
     def isend(self, buf, dest: int, tag: int = 0):
-        request = super().isend(_cupy_if_cuda(buf), dest, tag)
+        request = super().isend(_gpu_bytes(buf), dest, tag)
         request.buf = buf
         return request
 
     def irecv(self, buf, source: int, tag: int = 0):
-        request = super().irecv(_cupy_if_cuda(buf), source, tag)
+        request = super().irecv(_gpu_bytes(buf), source, tag)
         request.buf = buf
         return request
 
@@ -252,8 +258,8 @@ class StagedComm(Communicator):
         arr, back, bf16 = as_array(x)
         if not is_gpu_array(arr):
             return getattr(self.host, name)(arr, *args)
-        if bf16 or getattr(args[0] if args else None, "bfloat16", False):
-            return self._builtin_bfloat16(name, x, arr, back, *args)
+        if bf16 or getattr(args[0] if args else None, "bfloat16", False) or arr.dtype == np.float16:
+            return self._builtin_widened(name, x, arr, back, bf16 or arr.dtype != np.float16, *args)
         with gpu_scope(x, arr):
             if self.mode == "direct" and name == "builtin_allreduce":  # MPI reads and writes GPU memory
                 from tplab.ops import get_op
@@ -266,15 +272,19 @@ class StagedComm(Communicator):
             out = getattr(self.host, name)(arr.get(), *args)  # the whole vector through host memory
             return None if out is None else back(array_module(arr).asarray(out))
 
-    def _builtin_bfloat16(self, name, x, arr, back, *args):
-        """MPI has no bfloat16: widen to float32 on the GPU, reduce on the host, round once at the end
-        (more accurate than a bf16 reduction that rounds at every step; twice the bytes on the wire)."""
+    def _builtin_widened(self, name, x, arr, back, bfloat16, *args):
+        """MPI has no bfloat16, and Open MPI 4 no float16: widen to float32 on the GPU, reduce on the host,
+        round once at the end (more accurate than rounding at every step; twice the bytes on the wire)."""
         from tplab.bfloat16 import narrow, widen
 
         args = tuple(getattr(a, "name", a) for a in args)  # (the op by name: the float32 one)
         with gpu_scope(x, arr):
-            out = getattr(self.host, name)(widen(arr).get(), *args)
-            return None if out is None else back(narrow(array_module(arr).asarray(out)))
+            wide = widen(arr) if bfloat16 else arr.astype(np.float32)
+            out = getattr(self.host, name)(wide.get(), *args)
+            if out is None:
+                return None
+            out = array_module(arr).asarray(out)
+            return back(narrow(out) if bfloat16 else out.astype(np.float16))
 
     def builtin_allreduce(self, x, op="sum"):
         return self._builtin("builtin_allreduce", x, op)
