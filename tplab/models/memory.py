@@ -71,11 +71,14 @@ def parameter_bytes_computed(config: GPTConfig, tp: int = 1) -> dict:
     return parts
 
 
-def megatron_activation_bytes(s, b, h, a, t=1, sequence_parallel=False) -> float:
-    """Korthikanti et al.'s activation bytes per layer per rank (16-bit, dropout, scores stored)."""
+def megatron_activation_bytes(s, b, h, a, t=1, sequence_parallel=False, scores_stored=True) -> float:
+    """Korthikanti et al.'s activation bytes per layer per rank (16-bit, dropout, scores stored).
+    ``scores_stored=False`` drops the 5as/h term: the s x s attention scores recomputed in the backward
+    pass (their "selective recomputation"; fused attention kernels never store them)."""
+    scores = 5 * a * s / h if scores_stored else 0.0
     if sequence_parallel:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return s * b * h * (34 + scores) / t
+    return s * b * h * (10 + 24 / t + scores / t)
 
 
 def activation_bytes_computed(config: GPTConfig, batch: int, seq: int, tp: int = 1,
@@ -141,3 +144,35 @@ def activation_bytes_measured(model, tokens) -> dict:
         blocks.append(parts)
     return {"blocks": blocks, "outside blocks": counts["outside blocks"],
             "total": sum(b["total"] for b in blocks) + counts["outside blocks"]}
+
+
+def memory_vs_tp(config: GPTConfig, batch: int, seq: int, comm=None, degrees=None, seed: int = 0) -> list[dict]:
+    """Parameters and activations per rank, computed and measured, for each TP degree t (groups of t
+    ranks, all at once) with and without sequence parallelism. Collective (``comm``: default the world);
+    each rank returns its own group's rows (every group holds the same shapes)."""
+    from tplab.comm import world
+    from tplab.models.gpt import GPT
+    from tplab.models.parallel import parallelize
+    from tplab.models.speed import tp_degrees
+
+    comm = comm or world()
+    rows = []
+    tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    for t in degrees or tp_degrees(config, comm.size):
+        group = comm.split(color=comm.rank // t, key=comm.rank)
+        torch.manual_seed(seed)
+        model = GPT(config)
+        for sequence_parallel in (False, True):
+            if sequence_parallel and seq % t:
+                continue
+            sharded = parallelize(model, group, sequence_parallel=sequence_parallel)
+            measured = activation_bytes_measured(sharded, tokens)["blocks"]
+            computed = activation_bytes_computed(config, batch, seq, t, sequence_parallel)
+            rows.append({"tp": t, "mode": "TP + SP" if sequence_parallel else "TP",
+                         "parameters measured": parameter_bytes(sharded),
+                         "parameters computed": parameter_bytes_computed(config, t)["total"],
+                         **{f"{region} measured": sum(b[region] for b in measured) / len(measured)
+                            for region in ("norms", "attention", "MLP", "total")},
+                         **{f"{region} computed": computed[region]
+                            for region in ("norms", "attention", "MLP", "total")}})
+    return rows
