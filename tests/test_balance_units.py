@@ -121,6 +121,20 @@ def test_static_schedules_on_a_long_tail():
         schedulers.lpt([1, float("nan")], 2)
 
 
+@settings(max_examples=100, deadline=None)
+@given(costs=st.lists(st.integers(1, 50).map(float), min_size=1, max_size=30), groups=st.integers(1, 6))
+def test_guided_chunks_cover_the_list_and_shrink_to_single_items(costs, groups):
+    from tplab.balance.workqueue import guided_chunks
+
+    costs = sorted(costs, reverse=True)  # as the queue hands them out: longest first
+    chunks = guided_chunks(costs, groups)
+    assert [i for chunk in chunks for i in chunk] == list(range(len(costs)))
+    for chunk in chunks:
+        remaining = sum(costs[chunk.start:])
+        assert len(chunk) == 1 or sum(costs[i] for i in chunk) <= remaining / (2 * groups)
+    assert len(chunks[-1]) == 1 or sum(costs[i] for i in chunks[-1]) <= sum(costs[chunks[-1].start:]) / 2
+
+
 # ---- padding and packing -------------------------------------------------------------------------------
 
 

@@ -73,19 +73,24 @@ def test_padded_and_packed_items_give_the_serial_result(batching, strategy):
         agree((work["slots"] == work["tokens"]).all(), "packing computed padding")
 
 
-@pytest.mark.parametrize("lookahead", [0, 1])
+@pytest.mark.parametrize("lookahead, chunking", [(0, "single"), (1, "single"), (1, "guided")])
 @pytest.mark.parametrize("n_items", [0, 1, max(P - 1, 1), 3 * P + 1])
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_dynamic_queue_hands_out_every_item_once_and_terminates(n_items, tp, lookahead):
+def test_dynamic_queue_hands_out_every_item_once_and_terminates(n_items, tp, lookahead, chunking):
     groups = data_parallel_groups(C, tp, timeout=20)
     timeline = Timeline(COMM.rank)
-    got = list(WorkQueue(groups, range(n_items), timeline, lookahead))
+    order = list(range(n_items))[::-1]  # any order: here backwards
+    costs = [1.0 + (i % 3) for i in range(n_items)]
+    got = list(WorkQueue(groups, order, timeline, lookahead, costs, chunking))
     everyone = COMM.allgather((groups.index, groups.is_leader, got))
     per_group = {g: items for g, leader, items in everyone if leader}
     handed = sorted(i for items in per_group.values() for i in items)
     agree(handed == list(range(n_items)), f"items handed out: {handed}")
     agree(all(items == per_group[g] for g, _, items in everyone), "a group's ranks got different items")
-    agree(len(timeline.rows) == len(got) + 1, "one pull per item plus the final DONE")
+    pulls = [row["count"] for row in timeline.rows]
+    agree(sum(pulls) == len(got) and pulls[-1] == 0, f"pulls {pulls} for {len(got)} items")
+    if chunking == "single":
+        agree(len(pulls) == len(got) + 1, "one pull per item plus the final DONE")
 
 
 def test_packed_batch_on_a_tensor_parallel_model_equals_separate_runs():

@@ -24,6 +24,7 @@ from tplab.balance.pipeline import gpipe_bubble, gpipe_makespan, micro_batches, 
 from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.schedulers import list_schedule, longest_first, makespan
 from tplab.balance.workloads import describe, make_requests
+from tplab.balance.workqueue import guided_chunks
 
 
 def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048, seed=0, dtype="float32"):
@@ -59,7 +60,11 @@ def predicted_makespan(result) -> float:
     costs, groups = result.predicted_costs, result.ranks // result.tp
     if result.assignment is not None:
         return makespan(result.assignment, costs)
-    order = None if result.strategy == "dynamic" else longest_first(costs)
+    order = list(range(len(costs))) if result.strategy == "dynamic" else longest_first(costs)
+    if result.strategy == "guided":  # the chunks are list-scheduled, each as one item
+        chunks = guided_chunks([costs[i] for i in order], groups)
+        chunk_costs = [sum(costs[order[k]] for k in chunk) for chunk in chunks]
+        return makespan(list_schedule(chunk_costs, groups), chunk_costs)
     return makespan(list_schedule(costs, groups, order), costs)
 
 

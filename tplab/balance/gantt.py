@@ -4,8 +4,9 @@
     plot_gantt(df, label="item")         with each bar's item written on it (when it fits)
     as_trace(df)                         the same rows for tplab.plots.plot_timeline (the overlap tracer's view)
 
-Idle time is the white between bars; the makespan is the right edge of the last bar (drawn as a
-dashed line). Returns the Figure (or draws into ``ax``).
+Idle time is the white between bars; a dynamic queue's "pull" rows (waiting for the next item) are
+drawn as thin grey hatched bars. The makespan is the right edge of the last work bar (a dashed line).
+Returns the Figure (or draws into ``ax``).
 """
 
 from __future__ import annotations
@@ -24,22 +25,28 @@ def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=N
         ax.set_title(title or "(no intervals)")
         return fig
     lanes = sorted(df[lane].unique())
-    keys = sorted(df[color_by].unique(), key=lambda k: (str(type(k)), k)) if color_by in df else [None]
+    pulls = df["what"] == "pull" if "what" in df else np.zeros(len(df), bool)
+    work = df[~pulls]
+    keys = sorted(work[color_by].unique(), key=lambda k: (str(type(k)), k)) if color_by in df else [None]
     palette = plt.get_cmap(cmap)
     color_of = {k: palette(i % palette.N) for i, k in enumerate(keys)}
     for y, name in enumerate(lanes):
         rows = df[df[lane] == name]
         for row in rows.itertuples(index=False):
             r = row._asdict()
+            if r.get("what") == "pull":
+                ax.barh(y, r["end"] - r["start"], left=r["start"], height=0.3, color="whitesmoke", hatch="////",
+                        edgecolor="gray", linewidth=0.3, label="waiting for the queue")
+                continue
             color = color_of[r[color_by]] if color_by in r else "tab:blue"
             ax.barh(y, r["end"] - r["start"], left=r["start"], height=0.8, color=color, edgecolor="black",
                     linewidth=0.4, label=str(r[color_by]) if color_by in r else None)
             if label is not None and label in r:
                 span = r["end"] - r["start"]
-                if span > 0.03 * (df["end"].max() - df["start"].min()):
+                if span > 0.03 * (work["end"].max() - work["start"].min()):
                     ax.text(r["start"] + span / 2, y, str(r[label]), ha="center", va="center", fontsize=7)
-    if makespan:
-        ax.axvline(df["end"].max(), color="black", ls="--", lw=0.8)
+    if makespan and len(work):
+        ax.axvline(work["end"].max(), color="black", ls="--", lw=0.8)
     ax.set_yticks(np.arange(len(lanes)), [f"{lane} {n}" for n in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")

@@ -13,6 +13,8 @@ Strategies:
                                 costs (``cost``), then each group runs its share; nobody talks
     dynamic                     pull from a work queue, items in arrival order (workqueue.py)
     dynamic_lpt                 pull from a work queue, longest predicted item first
+    guided                      pull chunks (about 1/(2G) of the remaining predicted cost each), longest
+                                first: fewer round trips than one item at a time
 
 Every group runs a real TP copy of the model (``parallelize`` over its ranks); with tp = 1 each group is
 one rank holding the whole model (plain data parallelism). The clocks start after a barrier and the intervals
@@ -32,7 +34,7 @@ from tplab.balance.schedulers import STATIC_SCHEDULERS, longest_first, static_sc
 from tplab.balance.timeline import Timeline
 from tplab.balance.workqueue import WorkQueue
 
-STRATEGIES = (*STATIC_SCHEDULERS, "dynamic", "dynamic_lpt")
+STRATEGIES = (*STATIC_SCHEDULERS, "dynamic", "dynamic_lpt", "guided")
 
 
 @dataclass
@@ -87,11 +89,12 @@ def run_requests(model, requests, comm=None, *, strategy="lpt", tp=1, batching="
         mine = assignment[groups.index]
     else:
         order = range(len(items)) if strategy == "dynamic" else longest_first(costs)
+        chunking = "guided" if strategy == "guided" else "single"
     timeline = Timeline(comm.rank, group=groups.index, tp_rank=groups.group.rank)
     outputs = {}
+    queue = mine if assignment is not None else WorkQueue(groups, order, timeline, lookahead, costs, chunking)
     groups.control.barrier()
     timeline.restart()
-    queue = mine if assignment is not None else WorkQueue(groups, order, timeline, lookahead)
     with torch.no_grad():
         for k in queue:
             batch = batches[k]
