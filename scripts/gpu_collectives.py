@@ -59,7 +59,15 @@ def machine_description(staged) -> str:
     v = import_nccl().get_version()
     nccl = f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
     mpi = MPI.Get_library_version().splitlines()[0].strip()[:60]
-    return (f"{P}x {name} (one node), NCCL {nccl}, CuPy {cupy.__version__}, {mpi}, "
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    who = f"{P}x {name}" if P == gpus else f"{P} of the {gpus} {name}"
+    try:
+        import torch
+
+        torch_version = f", torch {torch.__version__}"
+    except ImportError:
+        torch_version = ""
+    return (f"{who} of one node, NCCL {nccl}, CuPy {cupy.__version__}{torch_version}, {mpi}, "
             f"CUDA-aware MPI: {'yes' if staged.cuda_aware else 'no'}")
 
 
@@ -201,7 +209,7 @@ def start_torch_distributed():
         return None
 
 
-def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, use_torch) -> list[dict]:
+def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, use_torch, only=None) -> list[dict]:
     dist = start_torch_distributed() if use_torch else None
     rows = []
     for size in sizes:
@@ -218,6 +226,8 @@ def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, u
         scale = nccl.builtin_allreduce(cupy.abs(x), "sum").astype(np.float64)  # sum over ranks of |x|
         for (algorithm, transport), (fn, timer) in implementations(nccl, staged, naive, x, out, host_x,
                                                                    torch_x).items():
+            if only and f"{algorithm}/{transport}" not in only:
+                continue
             if time.monotonic() > deadline:
                 say(f"time limit reached: stopping before {algorithm}/{transport} at {size} B")
                 return rows
@@ -225,8 +235,7 @@ def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, u
                 result = fn()
                 result = out if result is None and algorithm == "nccl" else result
                 if algorithm == "torch_all_reduce":
-                    result = torch_x  # (in place: compared after its own first call only)
-                    wrong = -1
+                    wrong = -1  # (in place, called again and again: not compared; -1 = not checked)
                 else:
                     cupy.cuda.get_current_stream().synchronize()
                     got = cupy.asarray(result).astype(np.float64)
@@ -242,7 +251,8 @@ def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, u
             rows.append({"collective": "allreduce", "algorithm": algorithm, "transport": transport, "ranks": P,
                          "size": size, "count": n, "type": "float32", "redop": "sum", "time_us": t * 1e6,
                          "min_us": float(per_iteration.min()) * 1e6, "max_us": float(per_iteration.max()) * 1e6,
-                         "algbw": algbw, "busbw": algbw * 2 * (P - 1) / P, "wrong": sum(COMM.allgather(wrong)),
+                         "algbw": algbw, "busbw": algbw * 2 * (P - 1) / P,
+                         "wrong": -1 if wrong < 0 else sum(COMM.allgather(wrong)),
                          "iters": iters, "machine": machine})
         say(f"  {size:>10} B done")
     if dist is not None:
@@ -257,6 +267,9 @@ def table(rows) -> None:
     df = pd.DataFrame(rows)
     wide = df.pivot_table(index="size", columns=["algorithm", "transport"], values="time_us")
     wide.columns = [f"{a}/{t}" for a, t in wide.columns]
+    if "nccl/nccl" not in wide:
+        print(wide.to_string())
+        return
     nccl = wide["nccl/nccl"]
     for c in wide.columns:
         if c != "nccl/nccl":
@@ -276,6 +289,7 @@ def main():
     ap.add_argument("--time-limit", type=float, default=200, help="seconds for the whole timing sweep")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--impls", default="", help="comma-separated algorithm/transport pairs to time (default: all)")
     args = ap.parse_args()
     t0 = time.monotonic()
     nccl = nccl_world()
@@ -293,7 +307,7 @@ def main():
         say(f"correctness took {time.monotonic() - t0:.0f} s")
     sizes = sizes_between(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes))
     rows = timing(nccl, staged, naive, sizes, machine, args.budget, args.max_iters,
-                  time.monotonic() + args.time_limit, not args.no_torch)
+                  time.monotonic() + args.time_limit, not args.no_torch, [i for i in args.impls.split(",") if i])
     if RANK == 0 and rows:
         import pandas as pd
 
