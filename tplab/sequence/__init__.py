@@ -10,6 +10,8 @@
     checks.py          bad input: the same clear error on every rank
     layer.py           SequenceParallelBlock: seed 001's layer, equal to the unsplit Block; unsplit_layer
     scaling.py         timing, strong and weak scaling, per-rank causal work (notebook 05, GPU script)
+    exactness.py       every scheme and layer against the unsplit computation, bytes vs formulas (notebook 05)
+    pictures.py        who computes which part of causal attention (contiguous vs zig-zag)
 
 Every scheme takes this rank's q (b, n, s/p, d), k, v (b, n_kv, s/p, d) and returns its output rows
 (b, n, s/p, d), exactly what full attention gives for those tokens:

@@ -11,6 +11,7 @@ attention's s² work with it, which no number of ranks hides (``ideal_time_s`` s
 On CPU ranks (the notebook) every p runs on a sub-communicator of the first p ranks; the others wait.
 Timing follows tplab.bench: warm-up, then iterations started together (barrier), medians, max over
 ranks. ``time_calls(..., cuda=True)`` times with CUDA events (scripts/gpu_sequence_parallel.py).
+``comm`` defaults to ``tplab.comm.world()``: ``cluster.run(scaling_study, mode="weak")`` in a notebook.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from tplab.comm import world
 from tplab.cost.sequence_parallel import attention_bytes, causal_work
 from tplab.models.gpt import Block, GPTConfig
 from tplab.sequence.allgather_kv import attend_local
@@ -105,12 +107,15 @@ def _sleeping_twin(comm):
     return comm.with_timeout(3600.0) if hasattr(comm, "with_timeout") else comm
 
 
-def scaling_study(comm, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None, mode="strong",
+def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None, mode="strong",
                   scheme="allgather_kv", layout="contiguous", causal=False, dtype=torch.float32, iters=5,
                   warmup=2, threads=1) -> list[dict]:
-    """Forward time of the sequence-parallel layer for each p in ``ranks`` (default 1..comm.size), on
-    the first p ranks; the unsplit layer timed on rank 0 alone. Collective; the same rows on every rank.
-    ``threads``: torch threads per rank (1: ranks, not threads, do the parallel work)."""
+    """Forward time of the sequence-parallel layer for each p in ``ranks`` (default: every p up to
+    comm.size that the sequence splits over), on the first p ranks; the unsplit layer timed on rank 0
+    alone. ``scheme``: one name or a list (each measured at every p). Collective; the same rows on every
+    rank. ``threads``: torch threads per rank (1: ranks, not threads, do the parallel work)."""
+    comm = world() if comm is None else comm
+    schemes = [scheme] if isinstance(scheme, str) else list(scheme)
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', not {mode!r}")
     chunks = 2 if layout == "zigzag" else 1  # chunks per rank
@@ -127,8 +132,9 @@ def scaling_study(comm, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None,
     try:
         block = make_block(hidden, heads, dtype=dtype)
         whole = unsplit_layer(block, causal=causal)  # the same layer, all tokens on one rank
-        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU"
-        base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype), iters, warmup) \
+        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU";
+        # warmed up twice over, since the very first calls of a process pay for allocations and caches
+        base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype), iters, 2 * warmup + 2) \
             if comm.rank == 0 else None
         rows = []
         for p in ranks:
@@ -138,15 +144,17 @@ def scaling_study(comm, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None,
                 unsplit = base if s == seq_len else _unsplit_time(whole, x_full, iters, warmup)
             waiter.barrier()
             sub = comm.split(color=0 if comm.rank < p else 1)
-            measured = measure_layer(sub, block, x_full, scheme=scheme, layout=layout, causal=causal,
-                                     iters=iters, warmup=warmup) if comm.rank < p else None
-            waiter.barrier()
-            if comm.rank == 0:
-                predicted = attention_bytes(scheme, batch, s, hidden, p, bytes_per_element=x_full.element_size()) \
+            for name in schemes:
+                measured = measure_layer(sub, block, x_full, scheme=name, layout=layout, causal=causal,
+                                         iters=iters, warmup=warmup) if comm.rank < p else None
+                waiter.barrier()
+                if comm.rank != 0:
+                    continue
+                predicted = attention_bytes(name, batch, s, hidden, p, bytes_per_element=x_full.element_size()) \
                     if p > 1 else 0.0
                 t = measured["time_s"]
                 rows.append({
-                    "mode": mode, "scheme": scheme, "layout": layout, "causal": causal, "p": p, "hidden": hidden,
+                    "mode": mode, "scheme": name, "layout": layout, "causal": causal, "p": p, "hidden": hidden,
                     "heads": heads, "seq_len": s, "batch": batch, "dtype": str(dtype).replace("torch.", ""),
                     "tokens_per_rank": batch * s // p, **measured, "predicted_bytes_per_rank": predicted,
                     "unsplit_time_s": unsplit, "speedup": unsplit / t, "efficiency": unsplit / t / p,
@@ -156,12 +164,14 @@ def scaling_study(comm, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None,
         torch.set_num_threads(saved_threads)
 
 
-def causal_balance(comm, *, seq_len=1024, heads=4, head_dim=16, batch=1, layouts=("contiguous", "zigzag"),
+def causal_balance(comm=None, *, seq_len=1024, heads=4, head_dim=16, batch=1, layouts=("contiguous", "zigzag"),
                    iters=5, threads=1) -> list[dict]:
     """Each rank's causal attention compute (after the all-gather of K and V: no communication timed),
     contiguous vs zig-zag. Ranks take turns, the others asleep, so that each is timed on an otherwise
-    idle machine. One row per (layout, rank), the same rows on every rank; ``scores`` is the model's
+    idle machine, and each keeps its fastest of ``iters`` runs: pure compute, the run least disturbed by
+    other processes. One row per (layout, rank), the same rows on every rank; ``scores`` is the model's
     work (cost.causal_work)."""
+    comm = world() if comm is None else comm
     waiter = _sleeping_twin(comm)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -180,7 +190,7 @@ def causal_balance(comm, *, seq_len=1024, heads=4, head_dim=16, batch=1, layouts
                 if turn == rank:
                     times = time_calls(lambda: attend_local(mine[0], k_all, v_all, rank, p, causal=True, layout=layout),
                                        iters=iters, warmup=1)
-                    rows.append({"layout": layout, "rank": rank, "compute_s": statistics.median(times),
+                    rows.append({"layout": layout, "rank": rank, "compute_s": min(times),
                                  "scores": work[rank], "share_of_work": work[rank] / sum(work)})
         return [row for rank_rows in comm.allgather_object(rows) for row in rank_rows]
     finally:
