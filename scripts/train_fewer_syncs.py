@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--eval-interval", type=int, default=100)
-    parser.add_argument("--eval-iters", type=int, default=100)
+    parser.add_argument("--eval-iters", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")

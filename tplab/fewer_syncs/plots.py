@@ -21,7 +21,7 @@ def plot_loss_curves(curves, ax=None, title="validation loss", claim=False, trai
     ax = _axes(ax)
     for (name, group), color in zip(curves.groupby("config", sort=False), plt.cm.tab10.colors):
         ax.plot(group["step"], group["val_loss"], "-", marker=MARKERS[len(ax.lines) % 5], ms=3, color=color,
-                label=f"{name} ({group['syncs_forward'].iloc[0]} syncs)")
+                label=f"{name} ({group['syncs_forward'].iloc[0]} all-reduces per forward)")
         if train:
             ax.plot(group["step"], group["train_loss"], "--", color=color, alpha=0.5, lw=1)
     if claim:
