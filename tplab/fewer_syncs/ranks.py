@@ -181,7 +181,15 @@ class RealRanks:
         self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
 
     def view(self, shard: int):
+        assert shard == self.comm.rank, "a real rank holds its own shard only"
         return self.comm
+
+    def _allreduce(self, x):
+        """Sum over the ranks, not counted as a sync of activations (weights' gradients, the norm)."""
+        x = x.detach().contiguous()
+        if hasattr(self.comm, "tensor_allreduce"):  # a communicator with its own tensor collectives (GPU)
+            return self.comm.tensor_allreduce(x)
+        return tplab.allreduce(x, self.comm, algorithm=self.algorithm)
 
     def copy_in(self, x):
         if not (self.timing and x.requires_grad):
@@ -203,13 +211,13 @@ class RealRanks:
     def _sum_weight_grads(self, grads):
         started = time.perf_counter()
         flat = torch.cat([g.reshape(-1) for g in grads])  # one message for all of them
-        total = tplab.allreduce(flat.detach().contiguous(), self.comm, algorithm=self.algorithm)
+        total = self._allreduce(flat)
         self.comm_seconds["weights"] += time.perf_counter() - started
         return [part.view_as(g) for part, g in zip(total.split([g.numel() for g in grads]), grads)]
 
     def sum_over_ranks(self, t):
         started = time.perf_counter()
-        total = tplab.allreduce(t.detach().contiguous(), self.comm, algorithm=self.algorithm)
+        total = self._allreduce(t)
         self.comm_seconds["optimizer"] += time.perf_counter() - started
         return total
 

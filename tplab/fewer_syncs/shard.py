@@ -15,7 +15,6 @@ same unsplit block hold the same numbers.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 
