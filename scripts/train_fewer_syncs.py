@@ -18,13 +18,13 @@ Text: --data-dir, else TPLAB_DATA_DIR, the cache, or a download (tplab.data).
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import platform
 import re
 import sys
 import time
 
-import pandas as pd
 import torch
 
 from tplab.data import CharData, tiny_shakespeare
@@ -42,6 +42,13 @@ def machine_name(device: str) -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}"
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:  # the csv module: GPU images need not have pandas
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def slug(name: str) -> str:
@@ -102,11 +109,13 @@ def main(argv=None) -> int:
                       "seed_002_communications": SEED_002_COMMUNICATIONS[name], "ms_per_step": last["ms_per_step"],
                       "total_seconds": seconds, "parameters": last["parameters"], "batch_size": cfg.batch_size,
                       "block_size": cfg.block_size, "device": last["device"], "machine": machine})
-        pd.DataFrame(curves).to_csv(stem + "_curves.csv", index=False)  # after every configuration
-        pd.DataFrame(table).to_csv(stem + "_table.csv", index=False)
-    shown = pd.DataFrame(table)[["config", "pattern", "syncs_forward", "seed_002_communications", "val_loss",
-                                 "seed_002_val_loss", "ms_per_step", "total_seconds"]]
-    print("\n" + shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        write_csv(stem + "_curves.csv", curves)  # after every configuration: a partial run leaves data
+        write_csv(stem + "_table.csv", table)
+    print(f"\n{'config':14s} {'pattern':36s} {'syncs':>5s} {'seed':>4s} {'val loss':>8s} {'seed 002':>9s} "
+          f"{'ms/step':>8s} {'seconds':>8s}")
+    for r in table:
+        print(f"{r['config']:14s} {r['pattern']:36s} {r['syncs_forward']:5d} {r['seed_002_communications']:4d} "
+              f"{r['val_loss']:8.4f} {r['seed_002_val_loss']:>9s} {r['ms_per_step']:8.2f} {r['total_seconds']:8.1f}")
     print(f"\nwrote {stem}_curves.csv and {stem}_table.csv")
     return 0
 
