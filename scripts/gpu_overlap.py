@@ -178,6 +178,7 @@ def main():
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
     parser.add_argument("--paths", default="torch.distributed,tplab ring")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
@@ -226,7 +227,7 @@ def main():
     chunk_counts = [int(k) for k in args.chunks.split(",")]
 
     frames = []
-    for path, comm in paths.items():
+    for repeat, path, comm in [(r, path, comm) for r in range(args.repeats) for path, comm in paths.items()]:
         for layer_name in args.layers.split(","):
             layer, layer_input = layers[layer_name]
             for m in layer.modules():  # tplab's hand-written algorithm; torch.distributed ignores it
@@ -242,7 +243,9 @@ def main():
             if cuda:
                 df["cuda_device_max_connections"] = connections
                 df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
-            df["batch"], df["seq"], df["heads"] = args.batch, args.seq, args.heads
+            df["batch"], df["seq"], df["heads"], df["repeat"] = args.batch, args.seq, args.heads, repeat
+            if not cuda:  # other work on the machine: the 1-minute load average when this sweep ended
+                df["load_average"] = round(os.getloadavg()[0], 2)
             frames.append(df)
             if WORLD.rank == 0:
                 cols = ["chunks", "compute_ms", "comm_ms", "no_overlap_ms", "compute_chunked_ms", "overlapped_ms",
