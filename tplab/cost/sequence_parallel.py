@@ -39,9 +39,10 @@ def attention_bytes(scheme, batch, seq_len, hidden, p, *, kv_hidden=None, bytes_
     """Bytes one rank sends in one sequence-parallel attention forward (the table above)."""
     h_kv = _check(scheme, batch, seq_len, hidden, p, kv_hidden, bytes_per_element)
     tokens, e = batch * seq_len, bytes_per_element
+    # (multiply first, divide last: exact whenever the counts divide, as they must for the schemes to run)
     if scheme == "ulysses":
-        return (p - 1) / p**2 * tokens * (2 * hidden + 2 * h_kv) * e
-    return 2 * (p - 1) / p * tokens * h_kv * e  # all-gather of K and V, or K/V blocks around the ring
+        return (p - 1) * tokens * (2 * hidden + 2 * h_kv) * e / p**2
+    return 2 * (p - 1) * tokens * h_kv * e / p  # all-gather of K and V, or K/V blocks around the ring
 
 
 def attention_messages(scheme, p) -> int:
@@ -125,7 +126,7 @@ def staged_vs_direct(batch, seq_len, hidden, p, *, compute_time_1, kv_hidden=Non
     for name, value in [("compute_time_1", compute_time_1), ("pcie_bandwidth", pcie_bandwidth),
                         ("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)]:
         _positive_number(name, value)
-    shard = batch * seq_len / p * h_kv * bytes_per_element  # m
+    shard = batch * seq_len * h_kv * bytes_per_element / p  # m
     compute = compute_time_1 / p
     rows = []
     for path in ("staged", "direct"):
