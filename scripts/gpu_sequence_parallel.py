@@ -77,7 +77,11 @@ def machine_description(host, device) -> str:
     if device == "cpu":  # (a dry run of the script on CPU ranks)
         return f"CPU dry run: {os.cpu_count()} cores; torch {torch.__version__}; {MPI.Get_library_version().splitlines()[0]}"
     props = torch.cuda.get_device_properties(0)
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    try:
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except Exception:  # noqa: BLE001 - only a label
+        nccl = "?"
     return (f"{torch.cuda.device_count()}x {props.name} ({props.total_memory / 2**30:.0f} GiB); torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}, NCCL {nccl}; host MPI {MPI.Get_library_version().splitlines()[0].strip()}; "
             f"{socket.gethostname()}")
@@ -140,7 +144,10 @@ def paths_here(host, nccl, nccl_problem, schemes, device):
                    {"algorithm": "ring"}, set(schemes), True),
                   ("direct_nccl", "ncclAllGather through tplab.comm.nccl (the vendor's collective)", nccl,
                    {"algorithm": "builtin"}, {"allgather_kv"}, False)]
-    else:
+    elif device == "cpu":  # the dry run walks the direct path's code with host MPI standing in for NCCL
+        paths += [("direct_ring", "tplab ring over host MPI (CPU dry run)", host, {"algorithm": "ring"}, set(schemes),
+                   True)]
+    if nccl is None:
         paths += [("direct_vendor", f"torch.distributed NCCL all_gather_into_tensor (tplab.comm.nccl: {nccl_problem})",
                    host, {"gather": torch_distributed_allgather(host, device)}, {"allgather_kv"}, False)]
     return paths
@@ -206,7 +213,7 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                 continue
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
             layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
-                                          check=False, **options)
+                                          check=False, **(options if scheme == "allgather_kv" else {}))
             with torch.no_grad():
                 sent = comm.bytes_sent
                 y = layer(x)

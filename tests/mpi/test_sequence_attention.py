@@ -200,7 +200,8 @@ def test_staged_and_custom_gathers_move_the_same_bytes():
         np.concatenate(COMM.allgather(t.numpy()))))
     agree(torch.equal(direct, staged) and torch.equal(direct, vendor), "gathers disagree")
     b16 = x.to(torch.bfloat16)
-    agree(torch.equal(staged_allgather_first_dim(b16, C), direct.to(torch.bfloat16)), "bf16 bits changed")
+    agree(torch.equal(staged_allgather_first_dim(b16, C), direct.to(torch.bfloat16))
+          and torch.equal(gather_sequence(b16, C, dim=0), direct.to(torch.bfloat16)), "bf16 bits changed")
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])

@@ -28,9 +28,13 @@ import tplab
 
 
 def allgather_first_dim(x: torch.Tensor, comm, algorithm: str = "ring", check: bool = True) -> torch.Tensor:
-    """(m, ...) on each rank -> (p·m, ...), rank 0's block first, through tplab's own all-gather."""
-    flat = tplab.allgather(x.contiguous(), comm, algorithm=algorithm, check=check)
-    return flat.reshape(comm.size * x.shape[0], *x.shape[1:])
+    """(m, ...) on each rank -> (p·m, ...), rank 0's block first, through tplab's own all-gather.
+    bfloat16 travels as its int16 bits (a view, no copy): an all-gather moves bits, it never adds them."""
+    bits = x.contiguous()
+    bits = bits.view(torch.int16) if bits.dtype == torch.bfloat16 else bits
+    flat = tplab.allgather(bits, comm, algorithm=algorithm, check=check)
+    gathered = flat.reshape(comm.size * x.shape[0], *x.shape[1:])
+    return gathered.view(torch.bfloat16) if x.dtype == torch.bfloat16 else gathered
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
