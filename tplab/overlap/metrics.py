@@ -120,19 +120,20 @@ def pipeline_model(df):
 
     Chunk i's compute (c = compute_ms / k) and its communication (m) take turns on two resources; with k
     chunks the layer takes  T(k) = c + (k - 1)·max(c, m) + m:  the first chunk's compute and the last
-    chunk's communication are never hidden. The communication of one chunk is m = a + b/k: a fixed part
-    per collective (latency: 2(p-1)α for a ring) and a part that shrinks with the chunk (bytes·β, γ),
+    chunk's communication are never hidden (k = 1: compute + communication, nothing hidden). A chunk's
+    communication is m = a + b/k: a fixed part per collective (latency: 2(p-1)α for a ring) and a part
+    that shrinks with the chunk (bytes·β, γ), with a + b = comm_ms (the unchunked collectives) and a
     fitted to the measured comm_chunked_ms = k·a + b by least squares. Perfect overlap (no contention
     for cores, memory or SMs) is assumed: the measurement falls short of it by that contention."""
     import numpy as np
 
     df = df.copy()
     k = df["chunks"].to_numpy(dtype=float)
-    if len(df) >= 2 and np.ptp(k) > 0:
-        a, b = np.linalg.lstsq(np.stack([k, np.ones_like(k)], axis=1), df["comm_chunked_ms"].to_numpy(), rcond=None)[0]
-        a, b = max(a, 0.0), max(b, 0.0)
-    else:
-        a, b = 0.0, float(df["comm_ms"].iloc[0])
+    comm = df["comm_ms"].to_numpy()
+    extra = k - 1  # comm_chunked - comm = (k - 1)·a
+    a = float(np.clip((extra * (df["comm_chunked_ms"].to_numpy() - comm)).sum() / (extra**2).sum(), 0, comm.min()))\
+        if (extra**2).sum() > 0 else 0.0
+    b = comm - a
     c, m = df["compute_ms"].to_numpy() / k, a + b / k
     df["latency_per_chunk_ms"], df["bandwidth_part_ms"] = a, b
     df["predicted_ms"] = c + (k - 1) * np.maximum(c, m) + m
