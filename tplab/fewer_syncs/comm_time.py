@@ -61,8 +61,9 @@ def _communicator(comm, network):
 
 
 def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=None, n_head=None, vocab_size=65,
-                       iters=10, warmup=2, network=None, algorithm="auto", comm=None) -> list[dict]:
-    """One row per pattern, the same on every rank (collective: call it on every rank)."""
+                       iters=10, warmup=2, network=None, algorithm="auto", comm=None, steps=True) -> list[dict]:
+    """One row per pattern, the same on every rank (collective: call it on every rank). ``steps=False``
+    times forward passes only (the step columns are then NaN)."""
     comm, where = _communicator(comm, network)
     p = comm.size
     n_head = n_head or default_heads(p)
@@ -85,15 +86,17 @@ def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=Non
                     model(tokens)  # inference: the forward pass alone
                 forward = time.perf_counter() - started
                 forward_comm = ranks.comm_seconds["forward"]
-                ranks.reset_clock()
-                comm.barrier()
-                started = time.perf_counter()
-                model(tokens, tokens)[1].backward()  # a training step's forward + backward
-                step = time.perf_counter() - started
-                model.zero_grad(set_to_none=True)
+                step = step_comm = float("nan")
+                if steps:
+                    ranks.reset_clock()
+                    comm.barrier()
+                    started = time.perf_counter()
+                    model(tokens, tokens)[1].backward()  # a training step's forward + backward
+                    step, step_comm = time.perf_counter() - started, sum(ranks.comm_seconds.values())
+                    model.zero_grad(set_to_none=True)
                 if i >= warmup:
                     for key, value in [("forward", forward), ("forward_comm", forward_comm), ("step", step),
-                                       ("step_comm", sum(ranks.comm_seconds.values()))]:
+                                       ("step_comm", step_comm)]:
                         samples[key].append(value)
             medians = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
             slowest = {k: max(r[k] for r in comm.allgather_object(medians)) for k in medians}
@@ -110,3 +113,11 @@ def comm_time_df(*args, **kwargs):
     import pandas as pd
 
     return pd.DataFrame(comm_time_per_step(*args, **kwargs))
+
+
+def time_saved(timed, reference="baseline"):
+    """``timed`` (a comm_time_df) with the forward time each pattern saves against ``reference``'s."""
+    base = timed.set_index("config").loc[reference]
+    return timed.assign(saved_per_forward_ms=base.forward_ms - timed.forward_ms,
+                        saved_fraction=1 - timed.forward_ms / base.forward_ms,
+                        saved_comm_ms=base.forward_comm_ms - timed.forward_comm_ms)

@@ -55,13 +55,17 @@ def plot_comm_time(timed, ax=None, title=None):
     """Stacked bars per config: time inside the all-reduces and the rest, for a forward pass and a step."""
     ax = _axes(ax, figsize=(7.5, 4))
     x = np.arange(len(timed))
-    for offset, (what, label) in zip((-0.2, 0.2), (("forward", "forward"), ("step", "forward + backward"))):
+    parts = [("forward", "forward"), ("step", "forward + backward")]
+    if timed["step_ms"].isna().all():  # forward passes only
+        parts = parts[:1]
+    offsets = (-0.2, 0.2) if len(parts) == 2 else (0.0,)
+    for offset, (what, label) in zip(offsets, parts):
         comm = timed[f"{what}_comm_ms"]
         ax.bar(x + offset, comm, 0.38, color="tab:red" if what == "forward" else "salmon",
                label=f"{label}: in all-reduces")
         ax.bar(x + offset, timed[f"{what}_ms"] - comm, 0.38, bottom=comm,
                color="tab:blue" if what == "forward" else "lightsteelblue", label=f"{label}: the rest")
-    ax.set_xticks(x, [f"{c}\n{s} syncs" for c, s in zip(timed["config"], timed["syncs_forward"])])
+    ax.set_xticks(x, [f"{c}\n{s} sync{'' if s == 1 else 's'} per forward" for c, s in zip(timed["config"], timed["syncs_forward"])])
     ax.set(ylabel="ms (slowest rank, median)", title=title or timed["network"].iloc[0])
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)

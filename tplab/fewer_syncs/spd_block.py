@@ -1,7 +1,7 @@
 """The SPD block: the attention's all-reduce dropped, merged into the MLP's. 1 all-reduce forward.
 
-Seed 002's SPD_Block (after Sync-Point Drop, arXiv 2502.20727), for rank i of p with its heads' share
-p_i = attn_i(LN1(x)) of the attention output (no bias) and b_a, b_m the two output biases:
+Seed 002's SPD_Block (the seed cites arXiv 2210.09127 and 2502.20727, Sync-Point Drop). For rank i of p,
+with its heads' share p_i = attn_i(LN1(x)) of the attention output (no bias) and b_a, b_m the output biases:
 
     y_i  = x + p_i + b_a                    the residual with *my* heads only: no sum, no sync here
     z_i  = p_i + mlp_i(LN2(y_i))            my share of the attention plus my share of the MLP
