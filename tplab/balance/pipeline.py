@@ -34,7 +34,7 @@ from tplab.balance.packing import embed, head, make_batch, run_block
 from tplab.balance.schedulers import lpt
 from tplab.balance.timeline import Timeline
 
-_stage_comms: dict = {}  # (id(comm), stages, tp, timeout) -> (stage comm, private p2p comm)
+_stage_comms: dict = {}  # (id(comm), tp, timeout) -> _Stages
 
 
 def gpipe_bubble(p: int, m: int) -> float:
@@ -109,20 +109,37 @@ class PipelineResult:
         return gpipe_bubble(self.stages, len(self.micro_batches))
 
 
-def _comms(comm, stages, tp, timeout):
-    key = (id(comm), stages, tp, timeout)
+class _Stages:
+    """This rank's stage communicator, a private copy of the world for the sends, and the TP copies of
+    the models run so far (made once: collective, and not free)."""
+
+    def __init__(self, comm, tp, timeout):
+        self.comm = comm  # kept, so that its id stays its own
+        self.stage = comm.split(color=comm.rank // tp, key=comm.rank)
+        self.p2p = comm.with_timeout(timeout) if hasattr(comm, "with_timeout") else comm.split(0, comm.rank)
+        self.sharded: dict = {}
+
+    def shard(self, model):
+        from tplab.models import parallelize
+
+        if self.stage.size == 1:  # a stage of one rank runs the unsplit layers
+            return model
+        if id(model) not in self.sharded:
+            self.sharded[id(model)] = (model, parallelize(model, self.stage))
+        return self.sharded[id(model)][1]
+
+
+def _stages(comm, tp, timeout) -> _Stages:
+    key = (id(comm), tp, timeout)
     if key not in _stage_comms:
-        p2p = comm.with_timeout(timeout) if hasattr(comm, "with_timeout") else comm.split(0, comm.rank)
-        _stage_comms[key] = (comm, comm.split(color=comm.rank // tp, key=comm.rank), p2p)
-    return _stage_comms[key][1:]
+        _stage_comms[key] = _Stages(comm, tp, timeout)
+    return _stage_comms[key]
 
 
 def run_pipeline(model, requests, micro_batch_ids, comm=None, *, stages=None, tp=1, mode="pack",
                  keep_outputs=False, timeout=600.0) -> PipelineResult:
     """Stream the micro-batches (lists of request ids; "pack" or "pad" each into one forward pass)
     through ``stages`` stages of ``tp`` ranks each (default: every rank its own stage). Collective."""
-    from tplab.models import parallelize
-
     if comm is None:
         from tplab.comm import world
 
@@ -131,9 +148,10 @@ def run_pipeline(model, requests, micro_batch_ids, comm=None, *, stages=None, tp
     if stages * tp != comm.size:
         raise ValueError(f"{stages} stages x tp {tp} = {stages * tp} ranks, but there are {comm.size}")
     layers = stage_layers(model.config.n_layer, stages)  # also checks stages <= n_layer
-    stage, (stage_comm, p2p) = comm.rank // tp, _comms(comm, stages, tp, timeout)
+    layout = _stages(comm, tp, timeout)
+    stage, stage_comm, p2p = comm.rank // tp, layout.stage, layout.p2p
     first, last = stage == 0, stage == stages - 1
-    sharded = parallelize(model, stage_comm)  # my stage uses only its blocks (and embeddings / head at the ends)
+    sharded = layout.shard(model)  # my stage uses only its blocks (and embeddings / head at the ends)
     my_blocks = [sharded.blocks[i] for i in layers[stage]]
     by_id = {r.id: r for r in requests}
     batches = [make_batch([by_id[i].tokens(model.config.vocab_size) for i in ids], mode) for ids in micro_batch_ids]
