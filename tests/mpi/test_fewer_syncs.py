@@ -187,3 +187,21 @@ def test_bad_patterns_and_shapes_raise_on_every_rank():
         with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
             FewerSyncsGPT(dense(n_layer=1, n_head=2 * P + 1), ["spd"], RealRanks(C))
     agree(True)
+
+
+def test_comm_time_rows_on_ranks_and_on_an_emulated_network():
+    from tplab.fewer_syncs.comm_time import comm_time_per_step
+
+    n_head = 4 if 4 % P == 0 else P
+    rows = comm_time_per_step(iters=1, warmup=0, batch_size=1, block_size=8, n_embd=4 * n_head, comm=C)
+    agree(same_on_every_rank(repr(rows)), "ranks return different rows")
+    agree([r["syncs_forward"] for r in rows] == [8, 4, 4, 1], str([r["syncs_forward"] for r in rows]))
+    agree(all(r["step_ms"] >= r["step_comm_ms"] >= 0 and r["forward_ms"] >= r["forward_comm_ms"] >= 0 for r in rows),
+          "times inside collectives exceed the whole")
+    latency = 2e-3
+    slow = comm_time_per_step(iters=1, warmup=0, batch_size=1, block_size=8, n_embd=4 * n_head, comm=C, steps=False,
+                              network=dict(latency=latency))
+    baseline = slow[0]
+    # every all-reduce on p > 1 ranks sends at least one message across the emulated network and waits for it
+    agree(P == 1 or baseline["forward_comm_ms"] >= 8 * latency * 1e3, f"{baseline['forward_comm_ms']:.2f} ms")
+    agree(all(r["step_ms"] != r["step_ms"] for r in slow), "steps=False still timed steps")
