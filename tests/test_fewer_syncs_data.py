@@ -83,9 +83,18 @@ def test_tiny_shakespeare_as_nanogpt_sees_it():
 
 @needs_shakespeare
 def test_twenty_training_steps_of_every_configuration():
+    chars = CharData(tiny_shakespeare(path=SHARED))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra threads only add synchronisation (and the machine is shared)
+    try:
+        _train_every_configuration(chars)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_every_configuration(chars):
     from tplab.fewer_syncs import PATTERNS, SimulatedRanks, TrainConfig, syncs_per_forward, train
 
-    chars = CharData(tiny_shakespeare(path=SHARED))
     cfg = TrainConfig(steps=20, batch_size=4, block_size=32, n_head=4, n_embd=32, warmup_steps=5,
                       learning_rate=3e-3, eval_interval=20, eval_iters=4)
     for name, pattern in PATTERNS.items():
