@@ -52,6 +52,7 @@ import re
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -66,6 +67,8 @@ from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, R
 from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the GPU image's torch 2.11 has only these)
+warnings.filterwarnings("ignore", category=FutureWarning, message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
 
 
 class TorchDistComm:
@@ -176,13 +179,15 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
-    parser.add_argument("--paths", default="torch.distributed,tplab ring")
+    parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU), "tplab MPI" (CPU; '
+                        '"tplab MPI,torch.distributed" adds gloo)')
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
-    for name, gpu_default, cpu_default in [("hidden", 5120, 512), ("heads", 40, 8), ("seq", 4096, 256), ("batch", 4, 2)]:
+    for name, gpu_default, cpu_default in [("hidden", 5120, 512), ("heads", 40, 8), ("seq", 4096, 256), ("batch", 4, 2),
+                                           ("paths", "torch.distributed,tplab ring", "tplab MPI")]:
         if getattr(args, name) is None:
             setattr(args, name, gpu_default if cuda else cpu_default)
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)")
@@ -200,6 +205,9 @@ def main():
 
         device, dtype = torch.device("cpu"), torch.float32
         paths = {"tplab MPI": world()}
+        if "torch.distributed" in args.paths:  # gloo: a check of the GPU path's plumbing on CPU ranks
+            init_torch_distributed("gloo", device)
+            paths["torch.distributed"] = TorchDistComm()
         stem = f"overlap_cpu-{slug(cpu_model())}-{os.cpu_count()}-core_{WORLD.size}-ranks_{slug(mpi_library())}"
     machine = machine_name(device)
     csv = out / f"{stem}.csv"
@@ -223,7 +231,7 @@ def main():
             paths["tplab ring"] = comm
         elif WORLD.rank == 0:
             print(f"tplab ring over NCCL skipped: {why}", flush=True)
-    paths = {name: c for name, c in paths.items() if name in args.paths or not cuda}
+    paths = {name: c for name, c in paths.items() if name in args.paths}
     chunk_counts = [int(k) for k in args.chunks.split(",")]
 
     frames = []
@@ -275,7 +283,7 @@ def main():
         best = pd.concat(frames).query("layer == 'block'").sort_values("hidden_fraction", ascending=False)
         print(f"\nwrote {csv}\nbest block rows:\n"
               f"{best[['path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(4).round(3).to_string(index=False)}")
-    if cuda:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
