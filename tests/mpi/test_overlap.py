@@ -2,6 +2,7 @@
 equal the plain ones (float64, ~1e-12), forward and backward; the tracer's intervals and Chrome JSON."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -109,6 +110,16 @@ def test_an_error_in_the_thread_is_raised_by_wait_and_fails_what_follows():
     with pytest.raises(RuntimeError, match="earlier nonblocking collective"):
         second.wait()
     agree(engine.close(), "the engine did not stop")
+
+
+def test_closing_an_engine_whose_thread_hangs_returns_instead_of_hanging():
+    engine = progress_thread.engine_for(C.split(0))
+    release = threading.Event()
+    engine.submit("hangs until released", lambda comm: release.wait(10))
+    agree(not engine.close(timeout=0.05), "close() waited for a hung thread")  # gives up, does not hang
+    release.set()
+    engine.thread.join(10)
+    agree(not engine.thread.is_alive(), "the thread did not end once released")
 
 
 def test_thread_level_below_multiple_is_a_clear_error(monkeypatch):

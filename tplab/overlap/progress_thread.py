@@ -193,11 +193,9 @@ def running_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("tplab-progress")]
 
 
-@atexit.register
-def shutdown(timeout: float = 5.0) -> None:
-    """Stop every progress thread (after their queued collectives). Registered at exit, and it runs
-    before mpi4py's MPI_Finalize (atexit runs in reverse order of registration), so no thread is
-    inside MPI when MPI ends."""
+def shutdown(timeout: float = 5.0) -> int:
+    """Stop every progress thread after the collectives already queued; returns how many are still inside
+    a collective after ``timeout`` seconds (0: all ended). Later nonblocking collectives start new ones."""
     global _original_switch_interval
     with _lock:
         engines = list(_engines.values())
@@ -209,3 +207,18 @@ def shutdown(timeout: float = 5.0) -> None:
     if stuck:
         print(f"tplab.overlap: {len(stuck)} progress thread(s) still inside a collective after {timeout:g} s "
               "(a peer never joined it?)", file=sys.stderr)
+    return len(stuck)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """At exit, before mpi4py's MPI_Finalize (atexit runs in reverse order of registration, and mpi4py
+    finalises after all of them): stop the threads. One stuck in a collective would make MPI_Finalize wait
+    for ever, so then the job is aborted instead (the collective could not have completed anyway)."""
+    if shutdown() == 0:
+        return
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        print("tplab.overlap: aborting the MPI job rather than hang in MPI_Finalize", file=sys.stderr)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
