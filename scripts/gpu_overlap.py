@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear  # noqa: E402
 from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
+from tplab.overlap import progress_thread  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the GPU image's torch 2.11 has only these)
@@ -254,6 +255,8 @@ def main():
             df["batch"], df["seq"], df["heads"], df["repeat"] = args.batch, args.seq, args.heads, repeat
             if not cuda:  # other work on the machine: the 1-minute load average when this sweep ended
                 df["load_average"] = round(os.getloadavg()[0], 2)
+                df["progress_thread_waits"] = {True: "yield", False: "spin", None: "yield if oversubscribed"}[
+                    progress_thread.yield_cpu]
             frames.append(df)
             if WORLD.rank == 0:
                 cols = ["chunks", "compute_ms", "comm_ms", "no_overlap_ms", "compute_chunked_ms", "overlapped_ms",

@@ -2,12 +2,14 @@
 
 Why a thread, and the rules that make it correct, are in nonblocking.py. Here: the thread itself, its
 duplicate communicator, the MPI_THREAD_MULTIPLE check, and what a thread needs from the rest of the
-process (scratch buffers of its own, the GIL handed over often enough, a clean end before MPI_Finalize).
+process (scratch buffers of its own, a core it does not steal when asked to yield, a clean end before
+MPI_Finalize).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -61,8 +63,6 @@ NO_DEADLINE = 10.0 * 365 * 24 * 3600  # a "timeout" that never expires: polite w
 def oversubscribed(comm) -> bool:
     """Fewer cores on this machine than two per rank (the computing thread and the progress thread).
     Collective the first time (finds the nodes)."""
-    import os
-
     nodes = comm.node_ids()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return 2 * nodes.count(nodes[comm.rank]) > (cores or 1)
@@ -82,8 +82,11 @@ def _yielding_wait(self, handle, what):
             handle.Cancel()
             raise CommTimeoutError(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s "
                                    "(a deadlock? the peer never posted the matching operation, or it failed)")
-        time.sleep(pause)
-        pause = min(2 * pause + 1e-6, POLL_PAUSE)
+        if POLL_PAUSE > 0:
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-6, POLL_PAUSE)
+        else:  # POLL_PAUSE = 0: give the core away only if another thread wants it
+            os.sched_yield()
 
 
 def _duplicate(comm, yield_cpu):
@@ -105,9 +108,10 @@ class ProgressEngine:
     """The thread that runs ``comm``'s nonblocking collectives, one after another, in the order started.
 
     ``yield_cpu``: a rank waiting inside MPI spins on its core (MPICH, Open MPI: lowest latency). When the
-    ranks outnumber the cores (a laptop), the spinning thread takes the core from the computation it is
-    meant to overlap, so by default (None) the thread then polls and sleeps between polls instead
-    (a little latency: the sleep grows from 1 µs to at most POLL_PAUSE while nothing arrives)."""
+    ranks outnumber the cores (a laptop), a spinning thread may take the core from the computation it is
+    meant to overlap; with ``yield_cpu`` it polls and sleeps between polls instead (a little latency: the
+    sleep grows from 1 µs to at most POLL_PAUSE while nothing arrives). None: yield when there are fewer
+    than two cores per rank. (The module's ``yield_cpu`` is what engine_for passes.)"""
 
     def __init__(self, comm, yield_cpu: bool | None = None):
         require_thread_multiple()
@@ -166,12 +170,10 @@ _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-yield_cpu = None  # progress threads poll and sleep instead of spinning: True, False, None = when oversubscribed
-# A thread coming back from an MPI call needs the GIL; while the main thread runs Python code (not a numpy or
-# torch kernel, which release it) Python hands it over only every sys.getswitchinterval() seconds (5 ms by
-# default): a ring step could wait that long. While progress engines exist the interval is at most this:
-SWITCH_INTERVAL = 2e-4
-_original_switch_interval = None
+# Progress threads wait by polling and sleeping (True) instead of spinning inside MPI (False), or only on
+# machines with fewer than two cores per rank (None). Spinning is the default: on the 2-core development
+# machine, 4 ranks, an otherwise idle machine, the overlapped block was faster with spinning threads.
+yield_cpu = False
 
 
 def engine_for(comm) -> ProgressEngine:
@@ -180,10 +182,6 @@ def engine_for(comm) -> ProgressEngine:
     with _lock:
         engine = _engines.get(comm)
         if engine is None or not engine.thread.is_alive():
-            global _original_switch_interval
-            if _original_switch_interval is None:
-                _original_switch_interval = sys.getswitchinterval()
-                sys.setswitchinterval(min(_original_switch_interval, SWITCH_INTERVAL))
             engine = _engines[comm] = ProgressEngine(comm, yield_cpu)
             weakref.finalize(comm, engine._queue.put, None)  # comm gone: let the thread end
         return engine
@@ -196,13 +194,9 @@ def running_threads() -> list[threading.Thread]:
 def shutdown(timeout: float = 5.0) -> int:
     """Stop every progress thread after the collectives already queued; returns how many are still inside
     a collective after ``timeout`` seconds (0: all ended). Later nonblocking collectives start new ones."""
-    global _original_switch_interval
     with _lock:
         engines = list(_engines.values())
         _engines.clear()
-        if _original_switch_interval is not None:
-            sys.setswitchinterval(_original_switch_interval)
-            _original_switch_interval = None
     stuck = [e for e in engines if not e.close(timeout)]
     if stuck:
         print(f"tplab.overlap: {len(stuck)} progress thread(s) still inside a collective after {timeout:g} s "
