@@ -140,4 +140,8 @@ def test_bad_layouts_raise_the_same_error_on_every_rank():
             run_pipeline(small_gpt(n_layer=1), REQUESTS, [[0]], C, stages=P, tp=1)
     with pytest.raises(ValueError, match="unique"):
         run_requests(MODEL, requests_from_lengths([2, 3]) * 2, C)
+    with pytest.raises(ValueError, match="longer than the model's block_size"):
+        run_requests(MODEL, requests_from_lengths([2, 65]), C, strategy="dynamic")
+    with pytest.raises(ValueError, match="each at most once"):
+        run_pipeline(small_gpt(n_layer=max(P, 2)), REQUESTS, [[0, 1], [1]], C, stages=P, tp=1)
     agree(True)

@@ -33,6 +33,7 @@ import torch
 from tplab.balance.packing import embed, head, make_batch, run_block
 from tplab.balance.schedulers import lpt
 from tplab.balance.timeline import Timeline
+from tplab.balance.workloads import check_requests
 
 _stage_comms: dict = {}  # (id(comm), tp, timeout) -> _Stages
 
@@ -148,12 +149,15 @@ def run_pipeline(model, requests, micro_batch_ids, comm=None, *, stages=None, tp
     if stages * tp != comm.size:
         raise ValueError(f"{stages} stages x tp {tp} = {stages * tp} ranks, but there are {comm.size}")
     layers = stage_layers(model.config.n_layer, stages)  # also checks stages <= n_layer
+    by_id = check_requests(requests, model.config.block_size)
+    listed = [i for ids in micro_batch_ids for i in ids]
+    if not set(listed) <= set(by_id) or len(set(listed)) != len(listed):
+        raise ValueError("micro-batches must name known request ids, each at most once")
     layout = _stages(comm, tp, timeout)
     stage, stage_comm, p2p = comm.rank // tp, layout.stage, layout.p2p
     first, last = stage == 0, stage == stages - 1
     sharded = layout.shard(model)  # my stage uses only its blocks (and embeddings / head at the ends)
     my_blocks = [sharded.blocks[i] for i in layers[stage]]
-    by_id = {r.id: r for r in requests}
     batches = [make_batch([by_id[i].tokens(model.config.vocab_size) for i in ids], mode) for ids in micro_batch_ids]
     h, dtype = model.config.n_embd, model.config.dtype
 

@@ -32,6 +32,7 @@ from tplab.balance.groups import data_parallel_groups
 from tplab.balance.packing import forward, make_batch, make_batches
 from tplab.balance.schedulers import STATIC_SCHEDULERS, longest_first, static_schedule
 from tplab.balance.timeline import Timeline
+from tplab.balance.workloads import check_requests
 from tplab.balance.workqueue import WorkQueue
 
 STRATEGIES = (*STATIC_SCHEDULERS, "dynamic", "dynamic_lpt", "guided")
@@ -64,20 +65,19 @@ def run_requests(model, requests, comm=None, *, strategy="lpt", tp=1, batching="
                  lookahead=1, timeout=600.0) -> RunResult:
     """Run ``requests`` (workloads.Request, the same list on every rank) through ``model`` (the same
     unsplit GPT on every rank) on DP groups of ``tp`` ranks. Collective over ``comm`` (default: world).
-    ``lookahead``: the dynamic queue's (workqueue.WorkQueue)."""
+    ``lookahead``: the dynamic queue's (workqueue.WorkQueue). Every rank returns every rank's
+    intervals; ``outputs`` (with ``keep_outputs``) holds the logits of the requests its group ran."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     if comm is None:
         from tplab.comm import world
 
         comm = world()
+    by_id = check_requests(requests, model.config.block_size)
+    items = work_items(requests, batching, max_tokens, batch_size, sort_batches)
+    mode = batching  # "single", "pad" or "pack" (checked by work_items)
     groups = data_parallel_groups(comm, tp, timeout)
     sharded = groups.shard(model)
-    by_id = {r.id: r for r in requests}
-    if len(by_id) != len(requests):
-        raise ValueError("request ids must be unique")
-    items = work_items(requests, batching, max_tokens, batch_size, sort_batches)
-    mode = batching if batching != "single" else "single"
     cost = cost or SequenceCost.from_flops(model.config)
     costs = [cost.batch_seconds([by_id[i].length for i in item], mode) for item in items]
     vocab = model.config.vocab_size

@@ -78,6 +78,18 @@ def requests_from_lengths(lengths, seed: int = 0) -> list[Request]:
     return [Request(i, int(length), seed) for i, length in enumerate(lengths)]
 
 
+def check_requests(requests, block_size: int) -> dict:
+    """{id: request}; a clear error (raised alike on every rank, before any work is shared out) for
+    repeated ids or a request longer than the model's ``block_size``."""
+    by_id = {r.id: r for r in requests}
+    if len(by_id) != len(requests):
+        raise ValueError("request ids must be unique")
+    too_long = [r.id for r in requests if r.length > block_size]
+    if too_long:
+        raise ValueError(f"requests {too_long[:5]} are longer than the model's block_size {block_size}")
+    return by_id
+
+
 def describe(lengths) -> dict:
     """Summary of a batch's lengths: what a scheduler is up against."""
     lengths = np.asarray(lengths)
