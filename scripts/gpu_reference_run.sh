@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU reference runs of the notebooks, in one command on a lent 4-GPU machine; every CSV and log lands
+# under $OUT/results and is packed into $OUT/gpu_results.tar.gz (the device tool returns few files).
+#
+#   STAGES="train overlap collectives" bash scripts/gpu_reference_run.sh      # one call
+#   STAGES="models sequence" bash scripts/gpu_reference_run.sh                # the next
+#
+# Stages (each under its own time limit, so one failure does not cost the others):
+#   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
+#   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7)
+#   collectives  scripts/gpu_collectives.py at p = 4 and 2 (issue 6)
+#   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
+#   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
+# The Tiny Shakespeare text must travel with the checkout: carry .carry/ holding tinyshakespeare.txt.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD OMP_NUM_THREADS=4
+R=$OUT/results; mkdir -p "$R"
+MPI="mpiexec --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONPATH -x PYTHONUNBUFFERED -x OMP_NUM_THREADS"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpus.txt"
+nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
+stage() {  # stage NAME SECONDS COMMAND...: run it, log it, say how it ended
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$R/log_$name.txt" 2>&1
+  echo "$name: exit $? after $(( $(date +%s) - t0 )) s"; tail -3 "$R/log_$name.txt"
+}
+for s in ${STAGES:-train overlap collectives models sequence}; do
+  case $s in
+  train)
+    for i in 0 1 2 3; do
+      cfg=$(python3 -c "from tplab.fewer_syncs import PATTERNS; print(list(PATTERNS)[$i])")
+      mkdir -p "$R/train_$i"
+      CUDA_VISIBLE_DEVICES=$i timeout 300 python3 scripts/train_fewer_syncs.py --device cuda --steps 2000 \
+        --configs "$cfg" --data-dir .carry --out "$R/train_$i" > "$R/log_train_$i.txt" 2>&1 &
+    done
+    wait; echo "train: done"; tail -2 "$R"/log_train_*.txt ;;
+  overlap)
+    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap"
+    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,mlp ;;
+  collectives)
+    stage collectives4 150 $MPI -n 4 python3 scripts/gpu_collectives.py --out "$R/coll4" --time-limit 110 --budget 0.2
+    stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check ;;
+  models)
+    for p in 1 2 4; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
+  sequence)
+    for p in 1 2 4; do stage sequence_p$p 240 $MPI -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
+  esac
+done
+tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results && ls -la "$OUT"
