@@ -34,7 +34,7 @@ for s in ${STAGES:-train overlap collectives models sequence}; do
       CUDA_VISIBLE_DEVICES=$i timeout 300 python3 scripts/train_fewer_syncs.py --device cuda --steps 2000 \
         --configs "$cfg" --data-dir .carry --out "$R/train_$i" > "$R/log_train_$i.txt" 2>&1 &
     done
-    wait; echo "train: done"; tail -2 "$R"/log_train_*.txt ;;
+    wait; echo "train: done"; tail -n 2 "$R"/log_train_*.txt ;;
   overlap)
     stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap"
     stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,mlp ;;
