@@ -36,27 +36,6 @@ def require_thread_multiple() -> None:
             "(mpi4py.rc.thread_level = 'multiple', set before `from mpi4py import MPI`)")
 
 
-class _PerThreadScratch(dict):
-    """tplab.collectives.scratch keeps one grow-only buffer per purpose for the whole process. A
-    progress thread running a ring while the main thread runs another would share "ring incoming":
-    wrong results. Keyed by thread as well, every thread gets its own buffers. (Shim: belongs in
-    scratch.py's key; this only adds the thread to it.)"""
-
-    def get(self, key, default=None):
-        return super().get((threading.get_ident(), key), default)
-
-    def __setitem__(self, key, value):
-        super().__setitem__((threading.get_ident(), key), value)
-
-    def forget_thread(self, ident) -> None:
-        for key in [k for k in self if k[0] == ident]:
-            del self[key]
-
-
-if not isinstance(_scratch._buffers, _PerThreadScratch):
-    _scratch._buffers = _PerThreadScratch()
-
-
 NO_DEADLINE = 10.0 * 365 * 24 * 3600  # a "timeout" that never expires: polite waiting, no deadline
 
 
@@ -156,7 +135,7 @@ class ProgressEngine:
                 if tracer is not None:
                     tracer.record(handle.what, "comm", start, time.perf_counter(), lane="progress thread")
                 handle._finish(result)
-        _scratch._buffers.forget_thread(threading.get_ident())
+        _scratch.forget_thread(threading.get_ident())
 
     def close(self, timeout: float = 5.0) -> bool:
         """Stop the thread after the collectives already queued; True if it ended within ``timeout``."""
