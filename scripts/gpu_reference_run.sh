@@ -11,6 +11,7 @@
 #   collectives  scripts/gpu_collectives.py at p = 4 and 2 (issue 6)
 #   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
 #   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
+#   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
 # The Tiny Shakespeare text must travel with the checkout: carry .carry/ holding tinyshakespeare.txt.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -25,7 +26,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it, log it, say how it ended
   timeout --kill-after=10 "$limit" "$@" > "$R/log_$name.txt" 2>&1
   echo "$name: exit $? after $(( $(date +%s) - t0 )) s"; tail -3 "$R/log_$name.txt"
 }
-for s in ${STAGES:-train overlap collectives models sequence}; do
+for s in ${STAGES:-train overlap collectives models sequence syncs}; do
   case $s in
   train)
     for i in 0 1 2 3; do
@@ -45,6 +46,8 @@ for s in ${STAGES:-train overlap collectives models sequence}; do
     for p in 1 2 4; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
   sequence)
     for p in 1 2 4; do stage sequence_p$p 240 $MPI -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
+  syncs)
+    stage syncs 200 $MPI -n 4 python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
   esac
 done
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results && ls -la "$OUT"

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 
 from tplab.fewer_syncs.model import PATTERNS, FewerSyncsGPT, dense_gpt, syncs_per_forward
-from tplab.fewer_syncs.ranks import RealRanks
+from tplab.fewer_syncs.ranks import RealRanks, clock
 from tplab.layers import mappings
 
 
@@ -61,38 +60,41 @@ def _communicator(comm, network):
 
 
 def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=None, n_head=None, vocab_size=65,
-                       iters=10, warmup=2, network=None, algorithm="auto", comm=None, steps=True) -> list[dict]:
+                       iters=10, warmup=2, network=None, algorithm="auto", comm=None, steps=True,
+                       device=None) -> list[dict]:
     """One row per pattern, the same on every rank (collective: call it on every rank). ``steps=False``
-    times forward passes only (the step columns are then NaN)."""
+    times forward passes only (the step columns are then NaN). ``device`` ("cuda" with a GPU
+    communicator such as tplab.comm.nccl_world()): where the model and tokens live; the stopwatch then
+    waits for the GPU at every reading."""
     comm, where = _communicator(comm, network)
     p = comm.size
     n_head = n_head or default_heads(p)
     n_embd = n_embd or 32 * n_head
     patterns = patterns or PATTERNS
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab_size, (batch_size, block_size), generator=g)
+    tokens = torch.randint(0, vocab_size, (batch_size, block_size), generator=g).to(device or "cpu")
     rows = []
     with _no_argument_checks():
         for name, pattern in patterns.items():
-            ranks = RealRanks(comm, algorithm=algorithm, timing=True)
+            ranks = RealRanks(comm, algorithm=algorithm, timing=True, device=device)
             dense = dense_gpt(len(pattern), vocab_size, block_size, n_head, n_embd)
-            model = FewerSyncsGPT(dense, pattern, ranks)
+            model = FewerSyncsGPT(dense, pattern, ranks).to(device or "cpu")
             samples = {"forward": [], "forward_comm": [], "step": [], "step_comm": []}
             for i in range(warmup + iters):
                 ranks.reset_clock()
                 comm.barrier()
-                started = time.perf_counter()
+                started = clock(device)
                 with torch.no_grad():
                     model(tokens)  # inference: the forward pass alone
-                forward = time.perf_counter() - started
+                forward = clock(device) - started
                 forward_comm = ranks.comm_seconds["forward"]
                 step = step_comm = float("nan")
                 if steps:
                     ranks.reset_clock()
                     comm.barrier()
-                    started = time.perf_counter()
+                    started = clock(device)
                     model(tokens, tokens)[1].backward()  # a training step's forward + backward
-                    step, step_comm = time.perf_counter() - started, sum(ranks.comm_seconds.values())
+                    step, step_comm = clock(device) - started, sum(ranks.comm_seconds.values())
                     model.zero_grad(set_to_none=True)
                 if i >= warmup:
                     for key, value in [("forward", forward), ("forward_comm", forward_comm), ("step", step),
@@ -105,7 +107,7 @@ def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=Non
                          "step_ms": slowest["step"], "step_comm_ms": slowest["step_comm"],
                          "message_bytes": batch_size * block_size * n_embd * 4, "batch_size": batch_size,
                          "block_size": block_size, "n_embd": n_embd, "n_head": n_head, "iters": iters,
-                         "network": where, "algorithm": algorithm})
+                         "network": where, "algorithm": algorithm, "device": str(device or "cpu")})
     return rows
 
 

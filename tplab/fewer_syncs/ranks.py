@@ -143,6 +143,14 @@ class SimulatedRanks:
 
 
 # ---- real ranks: tplab's f and g, with an optional stopwatch around each collective ----------------------
+def clock(device=None) -> float:
+    """time.perf_counter(), after the GPU's queued work is done when ``device`` is a CUDA device (kernels
+    run asynchronously: without the wait a stopwatch times only their launch)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class _StartClock(torch.autograd.Function):
     """Identity. Its backward runs just before f's backward all-reduce: start the clock."""
 
@@ -153,7 +161,7 @@ class _StartClock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ranks._started = time.perf_counter()
+        ctx.ranks._started = clock(ctx.ranks.device)
         return grad, None
 
 
@@ -167,15 +175,16 @@ class _StopClock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ranks.comm_seconds["backward"] += time.perf_counter() - ctx.ranks._started
+        ctx.ranks.comm_seconds["backward"] += clock(ctx.ranks.device) - ctx.ranks._started
         return grad, None
 
 
 class RealRanks:
-    """This MPI rank computes shard ``comm.rank`` of ``comm.size``; f and g are tplab.layers.mappings'."""
+    """This MPI rank computes shard ``comm.rank`` of ``comm.size``; f and g are tplab.layers.mappings'.
+    ``device``: where the tensors live, so the stopwatch waits for a GPU's queued work (None: CPU)."""
 
-    def __init__(self, comm, algorithm="auto", timing: bool = False):
-        self.comm, self.algorithm, self.timing = comm, algorithm, timing
+    def __init__(self, comm, algorithm="auto", timing: bool = False, device=None):
+        self.comm, self.algorithm, self.timing, self.device = comm, algorithm, timing, device
         self.size = comm.size
         self.local = [comm.rank]
         self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
@@ -200,25 +209,25 @@ class RealRanks:
 
     def reduce_out(self, parts):
         (part,) = parts
-        started = time.perf_counter()
+        started = clock(self.device)
         total = reduce_from_tensor_parallel_region(part, self.comm, self.algorithm)
-        self.comm_seconds["forward"] += time.perf_counter() - started
+        self.comm_seconds["forward"] += clock(self.device) - started
         return total
 
     def shared(self, *tensors):
         return shared_weights(self, tensors)
 
     def _sum_weight_grads(self, grads):
-        started = time.perf_counter()
+        started = clock(self.device)
         flat = torch.cat([g.reshape(-1) for g in grads])  # one message for all of them
         total = self._allreduce(flat)
-        self.comm_seconds["weights"] += time.perf_counter() - started
+        self.comm_seconds["weights"] += clock(self.device) - started
         return [part.view_as(g) for part, g in zip(total.split([g.numel() for g in grads]), grads)]
 
     def sum_over_ranks(self, t):
-        started = time.perf_counter()
+        started = clock(self.device)
         total = self._allreduce(t)
-        self.comm_seconds["optimizer"] += time.perf_counter() - started
+        self.comm_seconds["optimizer"] += clock(self.device) - started
         return total
 
     def reset_clock(self):
