@@ -8,7 +8,7 @@
 # Stages (each under its own time limit, so one failure does not cost the others):
 #   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
 #   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7)
-#   collectives  scripts/gpu_collectives.py at p = 4 and 2 (issue 6)
+#   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
 #   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
 #   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
 #   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
@@ -41,7 +41,8 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,mlp ;;
   collectives)
     stage collectives4 150 $MPI -n 4 python3 scripts/gpu_collectives.py --out "$R/coll4" --time-limit 110 --budget 0.2
-    stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check ;;
+    stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check
+    stage ipc4 120 $MPI -n 4 python3 scripts/gpu_ipc_allreduce.py "$R/ipc" ;;
   models)
     for p in 1 2 4; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
   sequence)
