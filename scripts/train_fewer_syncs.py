@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import re
 import sys
 import time
@@ -29,18 +28,14 @@ import torch
 
 from tplab.data import CharData, tiny_shakespeare
 from tplab.fewer_syncs import PATTERNS, SEED_002_COMMUNICATIONS, SimulatedRanks, TrainConfig, train
+from tplab.machine import cpu_model
 
 
 def machine_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         props = torch.cuda.get_device_properties(torch.device(device))
         return f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.schedulers import list_schedule, longest_first, makespan
 from tplab.balance.workloads import describe, make_requests
 from tplab.balance.workqueue import guided_chunks
+from tplab.machine import cpu_model
 
 
 def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048, seed=0, dtype="float32"):
@@ -128,12 +128,7 @@ def machine_description() -> str:
     """A short honest description of where this runs: CPU model, cores, MPI library."""
     from mpi4py import MPI
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     mpi = MPI.Get_library_version().splitlines()[0].strip()
     return f"{cpu}, {os.cpu_count()} cores, {mpi}, torch {torch.__version__}"
 
