@@ -180,8 +180,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
-    parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU), "tplab MPI" (CPU; '
-                        '"tplab MPI,torch.distributed" adds gloo)')
+    parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU; also "tplab copy engine", '
+                        '"tplab peer"), "tplab MPI" (CPU; "tplab MPI,torch.distributed" adds gloo)')
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
@@ -226,6 +226,16 @@ def main():
     mlp_sp = ParallelMLP(block.mlp.up, block.mlp.down, sequence_parallel=True)
     x_sp = x.transpose(0, 1).chunk(WORLD.size)[WORLD.rank].contiguous()
     layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp)}
+    nbytes = args.batch * args.seq * args.hidden * x.element_size()  # one all-reduce of the whole layer
+    if "tplab copy engine" in args.paths and cuda:  # bytes moved by copy engines, flags between rounds
+        from tplab.comm.copy_engine import CopyEngineAllreduce
+
+        paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
+    if "tplab peer" in args.paths and cuda:  # the two-shot peer-memory kernel (SMs move the bytes)
+        from tplab.comm.peer_memory import PeerMemory
+
+        paths["tplab peer"] = PeerMemory(WORLD, nbytes)
+        paths["tplab peer"].algorithm = "two_shot"
     if "tplab ring" in args.paths and cuda:
         comm, why = tplab_nccl_comm()
         if comm is not None:
@@ -265,27 +275,31 @@ def main():
                       flush=True)
                 pd.concat(frames).to_csv(csv, index=False)  # written as it goes: a crash keeps what was measured
 
-    # a timeline of the block at k = 4 (first path), from CUDA events on both streams on GPUs
+    # a timeline of the block at k = 4 for every path, from CUDA events on both streams on GPUs
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from tplab.plots import plot_timeline
+
     chunked = overlapped(block, 4)
-    with torch.no_grad():
-        for _ in range(3):
-            chunked(x)
-        tracer = Tracer(first_comm, gpu=cuda)
-        with tracer:
-            chunked(x)
-    df = tracer.gather()
+    for path, comm in paths.items():
+        with torch.no_grad(), with_comm(block, comm):
+            for _ in range(3):
+                chunked(x)
+            tracer = Tracer(comm, gpu=cuda)
+            with tracer:
+                chunked(x)
+        df = tracer.gather()
+        if WORLD.rank == 0:
+            name = f"{stem}_{slug(path)}" if path != next(iter(paths)) else stem  # the first keeps its old name
+            write_chrome_trace(df, out / f"{name}_trace_k4.json")
+            fig = plot_timeline(df, title=f"block, k=4, {path}, {machine}" +
+                                (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
+            fig.savefig(out / f"{name}_timeline_k4.png", dpi=110)
     if WORLD.rank == 0:
-        write_chrome_trace(df, out / f"{stem}_trace_k4.json")
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from tplab.plots import plot_timeline
-
-        fig = plot_timeline(df, title=f"block, k=4, {machine}" + (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
-        fig.savefig(out / f"{stem}_timeline_k4.png", dpi=110)
         best = pd.concat(frames).query("layer == 'block'").sort_values("hidden_fraction", ascending=False)
         print(f"\nwrote {csv}\nbest block rows:\n"
-              f"{best[['path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(4).round(3).to_string(index=False)}")
+              f"{best[['path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(6).round(3).to_string(index=False)}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,0 +1,113 @@
+"""The flag-synchronised peer-memory all-reduces (tplab.comm.peer_memory) and the copy-engine all-reduce
+(tplab.comm.copy_engine) against NCCL: integers exactly, floats within rounding, bfloat16 too, bitwise
+identical on every rank, buffers and flags reused call after call, in place on the shared buffer, inside
+a CUDA graph, and clear errors on every rank for bad arguments. (scripts/gpu_peer_allreduce.py runs the
+same checks over more sizes before it times.)"""
+
+from gputest import require_gpu
+
+require_gpu()
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
+
+from tplab.comm import nccl_world  # noqa: E402
+from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.comm.peer_memory import PeerMemory  # noqa: E402
+
+P = COMM.size
+NCCL = nccl_world()
+PEERS = PeerMemory(COMM, 1 << 22)
+CE = CopyEngineAllreduce(COMM, 1 << 22)
+TOLERANCE = {"int32": 0, "int64": 0, "float16": 2e-3 * P, "bfloat16": 1e-2 * P, "float32": 1e-6 * P, "float64": 1e-14 * P}
+
+
+def inputs(dtype, count):
+    """This rank's input, and its values in float64/int64 (bfloat16 as int16 bits)."""
+    rng = np.random.default_rng([count, COMM.rank])
+    if dtype.startswith("int"):
+        x = cupy.asarray(rng.integers(-1000, 1000, count).astype(dtype))
+        return x, x.astype(cupy.int64)
+    values = rng.standard_normal(count)
+    if dtype == "bfloat16":
+        u = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+        x = cupy.asarray(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.int16))
+        return x, as_float64(x, True)
+    x = cupy.asarray(values.astype(dtype))
+    return x, x.astype(cupy.float64)
+
+
+def as_float64(y, bf16):
+    if bf16:
+        return (y.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+    return y.astype(cupy.int64 if y.dtype.kind == "i" else cupy.float64)
+
+
+def close(got, want, scale, dtype) -> bool:
+    return bool((cupy.abs(got - want) <= TOLERANCE[dtype] * scale).all())
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "ring", "auto", "copy_engine"])
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("count", [0, 1, 7, P + 1, 1023, 65537])
+def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
+    x, values = inputs(dtype, count)
+    bf16 = dtype == "bfloat16"
+    want = NCCL.builtin_allreduce(values)
+    scale = NCCL.builtin_allreduce(cupy.abs(values).astype(cupy.float64))
+    results = []
+    for _ in range(2):  # the second call reuses the buffers and flags
+        if algorithm == "copy_engine":
+            y = x.copy()
+            CE.allreduce_(y, "bf16_bits" if bf16 else {"float16": "f16_bits", "float32": "float", "float64": "double",
+                                                       "int32": "int", "int64": "long long"}[dtype])
+        else:
+            y = PEERS.allreduce(x, algorithm, bf16=bf16)
+        results.append(y)
+    agree(close(as_float64(results[0], bf16), want, scale, dtype), f"{algorithm} {dtype} n={count}")
+    agree(bool((results[0] == results[1]).all()), "a second call differs from the first")
+    agree(same_on_every_rank(cupy.asnumpy(results[0]).tobytes()), "ranks differ")
+
+
+@pytest.mark.parametrize("algorithm", ["two_shot", "ring"])
+def test_in_place_on_the_shared_buffer(algorithm):
+    x, values = inputs("float32", 10007)
+    buf = PEERS.buffer(x.size, "float32")
+    buf[...] = x
+    PEERS.allreduce(buf, algorithm, out=buf)
+    want = NCCL.builtin_allreduce(values)
+    agree(close(buf.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "ring"])
+def test_replayed_from_a_cuda_graph(algorithm):
+    x, values = inputs("float32", 4096)
+    out = cupy.zeros_like(x)
+    run = PEERS.allreduce_init(x, out, algorithm)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for _ in range(5):
+            run()
+        graph = stream.end_capture()
+        for _ in range(3):  # replays go on counting barriers (the counts live in GPU memory)
+            out.fill(0)
+            graph.launch(stream)
+        stream.synchronize()
+    want = NCCL.builtin_allreduce(values)
+    agree(close(out.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
+
+
+def test_bad_arguments_raise_on_every_rank():
+    with pytest.raises(ValueError, match="do not fit"):
+        PEERS.allreduce(cupy.zeros((1 << 22) // 4 + 1, dtype="float32"))
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        PEERS.allreduce(cupy.zeros(4, dtype="float32"), "three_shot")
+    if P > 1:
+        with pytest.raises(ValueError, match="differ across ranks"):
+            PEERS.allreduce(cupy.zeros(4 + COMM.rank, dtype="float32"))
+        buf = PEERS.buffer(64, "float32")
+        with pytest.raises(ValueError, match="shared buffer"):
+            PEERS.allreduce(buf, "one_shot", out=buf)

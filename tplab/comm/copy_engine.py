@@ -1,0 +1,147 @@
+"""An all-reduce that leaves the multiprocessors to the GEMMs: data moved by the copy engines.
+
+Why: NCCL's all-reduce (and peer_memory.py's kernels) move data with kernels, so they take SMs from the
+GEMMs they are meant to overlap with, and each slows the other (notebook 06: 13-20% hidden on 4x H200).
+A GPU also has copy engines (DMA units that move bytes over NVLink without any SM). Here every byte
+between GPUs goes through them; the SMs only add up one block per rank and run two one-block barrier
+kernels, so the GEMMs on the other stream keep the GPU.
+
+    two-shot with copy engines, rank r of p, its stream S (p-1 side streams copy concurrently):
+      copy x into my shared buffer (half j % 2 on call j)               local copy
+      barrier(all)                                                      flags, one block
+      staged[q] <- block r of rank q's buffer, for every q != r          copy engines, over NVLink
+      block r of my buffer <- sum over q in rank order                   SMs: n/p elements, once
+      barrier(all)
+      block q of x <- block q of rank q's buffer, for every q             copy engines, and my own block
+
+The result is bitwise identical on every rank (block q is summed once, by rank q). Two halves of the shared
+buffer alternate between calls: call j+2 may overwrite half j%2 because call j+1's first barrier proved
+every peer had finished call j. Nothing waits on the host, so calls queue back to back on a side stream.
+
+    ce = CopyEngineAllreduce(mpi_comm, max_bytes=160 << 20)    # collective
+    ce.tensor_allreduce(t)      # torch CUDA tensor, in place, on torch's current stream (what tplab's
+                                # layers call: pass ``ce`` as their communicator)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.comm.peer_memory import LINE_PACKS, PACK, PeerMemory, kernel, torch_as_cupy
+
+MEMCPY_DEVICE_TO_DEVICE = 3
+
+
+class CopyEngineAllreduce:
+    """All-reduce of up to ``max_bytes`` per rank through copy engines (see the module docstring).
+    Also a communicator for tplab's layers: ``tensor_allreduce``, ``rank``, ``size``, ``barrier``."""
+
+    def __init__(self, mpi_comm, max_bytes: int = 64 << 20):
+        import cupy
+
+        self.mpi, self.rank, self.size = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.half = -(-int(max_bytes) // (PACK * LINE_PACKS)) * PACK * LINE_PACKS
+        self.peers = PeerMemory(mpi_comm, 2 * self.half)
+        self.copy_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(max(self.size - 1, 0))]
+        self.staged = None
+        self.calls = 0
+
+    # ---- the algorithm, on CuPy arrays and raw pointers ---------------------------------------------------
+    def allreduce_(self, x, type_name: str) -> None:
+        """In place: ``x`` (a contiguous CuPy array) becomes the sum over ranks. Queued on the current
+        stream; ``type_name`` is the element type of peer_allreduce.cu (``float``, ``bf16_bits``, ...)."""
+        import cupy
+
+        p, r, nbytes = self.size, self.rank, x.nbytes
+        if nbytes > self.half:
+            raise ValueError(f"{nbytes} bytes do not fit the copy-engine all-reduce's {self.half}-byte buffers")
+        if nbytes == 0 or p == 1:
+            return
+        stream = cupy.cuda.get_current_stream()
+        offset = (self.calls % 2) * self.half               # this call's half of every shared buffer
+        self.calls += 1
+        packs = -(-nbytes // PACK)
+        block_packs = -(-packs // (p * LINE_PACKS)) * LINE_PACKS
+        block = block_packs * PACK                           # bytes per block (the last may be shorter)
+        mine = self.peers.peer_buffer(r, block, "uint8", offset + r * block)
+
+        def span(q):                                         # block q's bytes: [start, end) within x
+            return min(q * block, nbytes), min((q + 1) * block, nbytes)
+
+        self._memcpy(self._pointer(r, offset), x.data.ptr, nbytes, stream)     # x -> my shared buffer
+        self.peers.queue_barrier()                                             # every input is in place
+        start, end = span(r)
+        if end > start:
+            if self.staged is None or self.staged.nbytes < (p - 1) * block:
+                self.staged = cupy.empty((p - 1) * block, dtype=cupy.uint8)
+            self._from_peers(stream, lambda q: (self.staged.data.ptr + (q if q < r else q - 1) * block,
+                                                self._pointer(q, offset) + start, end - start))
+            mine_packs = -(-(end - start) // PACK)
+            threads = 512
+            blocks = max(1, min(self.peers.max_blocks, -(-mine_packs // threads)))
+            kernel(f"sum_staged<{type_name}>")((blocks,), (threads,), (
+                self.staged, np.int64(block_packs), mine, np.int32(r), np.int32(p), np.int64(mine_packs)))
+        self.peers.queue_barrier()                                             # every block is summed
+        self._from_peers(stream, lambda q: (x.data.ptr + span(q)[0], self._pointer(q, offset) + span(q)[0],
+                                            span(q)[1] - span(q)[0]), include_mine=True)
+
+    def _pointer(self, q: int, offset: int) -> int:
+        return self.peers.peer_buffer(q, 0, "uint8", offset).data.ptr
+
+    def _from_peers(self, stream, what, include_mine=False) -> None:
+        """Copy ``what(q) = (dst, src, nbytes)`` for every peer q, each on its own side stream (so that
+        several copy engines work at once), then make ``stream`` wait for all of them."""
+        p, r = self.size, self.rank
+        forked = stream.record()
+        joins = []
+        for i, side in enumerate(self.copy_streams):
+            q = (r + 1 + i) % p                             # rank r starts at r+1: peers spread the load
+            dst, src, nbytes = what(q)
+            if nbytes <= 0:
+                continue
+            side.wait_event(forked)
+            self._memcpy(dst, src, nbytes, side)
+            joins.append(side.record())
+        if include_mine:
+            dst, src, nbytes = what(r)
+            if nbytes > 0:
+                self._memcpy(dst, src, nbytes, stream)
+        for done in joins:
+            stream.wait_event(done)
+
+    @staticmethod
+    def _memcpy(dst: int, src: int, nbytes: int, stream) -> None:
+        import cupy
+
+        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEVICE_TO_DEVICE, stream.ptr)
+
+    # ---- the communicator interface of tplab's layers ---------------------------------------------------
+    def tensor_allreduce(self, t):
+        """In place on a torch CUDA tensor, queued on torch's current stream; returns it."""
+        import cupy
+        import torch
+
+        raw, type_name = torch_as_cupy(t)
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.allreduce_(raw, type_name)
+        return t
+
+    def allreduce(self, x):
+        """The sum over ranks of a CuPy array (float32/float64/int32/int64/float16), as a new array."""
+        from tplab.comm.peer_memory import _type_name
+
+        y = x.copy()
+        self.allreduce_(y, _type_name(x.dtype))
+        return y
+
+    def barrier(self) -> None:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        self.mpi.Barrier()
+
+    def allgather_object(self, obj):
+        return self.mpi.allgather(obj)
+
+    def close(self) -> None:
+        self.peers.close()

@@ -1,0 +1,224 @@
+// All-reduce kernels over peer memory (CUDA IPC), one node, one process per GPU.  tplab.comm.peer_memory
+// compiles this file with NVRTC (through CuPy) and launches the kernels; read its docstring first.
+//
+// Every rank owns one shared buffer that all the others have mapped (bufs[q] is rank q's, read over NVLink)
+// and one array of flags that the others write to. Kernels synchronise with their peers through those flags,
+// never through the host, so a whole all-reduce is one launch and can be captured in a CUDA graph.
+//
+// Work is split the same way on every rank: block b of every GPU handles the same elements, so block b
+// only ever waits for block b of its peers (barrier below), and the blocks of one GPU never wait for each
+// other. Elements are moved in 16-byte packs (8 bf16, 4 float, 2 double) for wide loads and stores.
+
+struct bf16_bits { unsigned short b; };   // bfloat16: the top 16 bits of a float32
+struct f16_bits { unsigned short b; };    // IEEE half
+
+#define MAX_RANKS 8
+
+// ---- accumulation: every type is summed in Acc (float for 16-bit floats) and rounded once on store ------
+template <typename T> struct Num { typedef T Acc;
+    static __device__ __forceinline__ Acc up(T v) { return v; }
+    static __device__ __forceinline__ T down(Acc v) { return v; } };
+
+template <> struct Num<bf16_bits> { typedef float Acc;
+    static __device__ __forceinline__ float up(bf16_bits v) { return __uint_as_float(((unsigned int)v.b) << 16); }
+    static __device__ __forceinline__ bf16_bits down(float v) {           // round to nearest even, NaN kept
+        unsigned int u = __float_as_uint(v);
+        bf16_bits r;
+        r.b = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+                                                : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        return r; } };
+
+template <> struct Num<f16_bits> { typedef float Acc;
+    static __device__ __forceinline__ float up(f16_bits v) {
+        float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.b)); return f; }
+    static __device__ __forceinline__ f16_bits down(float v) {
+        f16_bits h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.b) : "f"(v)); return h; } };
+
+template <typename T> union Pack {                 // 16 bytes seen as raw bits or as elements
+    uint4 raw;
+    T e[16 / sizeof(T)];
+};
+
+// ---- flags: release/acquire at system scope, so a peer that sees the flag also sees the data -----------
+__device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+    unsigned int v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+
+// Data from a peer's buffer: cached in L2 only (.cg), never in this SM's L1, which does not see the peer's
+// later writes. (Chunks are also whole multiples of 128 bytes, so no cache line spans two chunks.)
+__device__ __forceinline__ uint4 load_peer(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v; }
+
+__device__ __forceinline__ long long lmin(long long a, long long b) { return a < b ? a : b; }
+
+// Block b of this rank meets block b of the ranks in `who` (a bit mask): each tells the others "I have
+// passed barrier number e" by writing e into their flags[b][me], and waits until its own flags[b][q] >= e.
+// e counts the barriers this block has passed; the count lives in device memory (epochs[b]) so that a
+// graph replay goes on counting. All ranks pass the same barriers, so their counts agree.
+__device__ void barrier_at(int slot, unsigned int* const* flags, unsigned int* epochs, int rank, unsigned int who) {
+    __syncthreads();                                     // this block's writes happen before the signal
+    const unsigned int e = epochs[slot] + 1;
+    const int q = threadIdx.x;
+    if (q < MAX_RANKS && q != rank && ((who >> q) & 1u)) {
+        __threadfence_system();
+        store_release(flags[q] + slot * MAX_RANKS + rank, e);
+        const unsigned int* mine = flags[rank] + slot * MAX_RANKS + q;
+        while ((int)(load_acquire(mine) - e) < 0) { }       // wrap-safe "mine < e"
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) epochs[slot] = e;
+}
+
+__device__ __forceinline__ void barrier(unsigned int* const* flags, unsigned int* epochs, int rank, unsigned int who) {
+    barrier_at(blockIdx.x, flags, epochs, rank, who);
+}
+
+// The whole kernel is one barrier, at a slot of its own: what the copy-engine all-reduce (copy_engine.py)
+// puts between its copies, so that its stream waits for the peers' streams without the host and without
+// more than one block of one multiprocessor.
+extern "C" __global__ void flag_barrier(unsigned int* const* flags, unsigned int* epochs, int rank,
+                                        unsigned int who, int slot) {
+    barrier_at(slot, flags, epochs, rank, who);
+}
+
+// The packs [first, last) of an array, split over the grid: block b takes the same packs on every rank.
+#define FOR_MY_PACKS(i, first, last) \
+    for (long long i = (first) + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (last); \
+         i += (long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__device__ __forceinline__ void copy_packs(uint4* dst, const uint4* src, long long first, long long last) {
+    FOR_MY_PACKS(i, first, last) dst[i] = load_peer(src + i);
+}
+
+// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...  in rank order, in Acc, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 sum_in_rank_order(const uint4* const* in, int p, long long i) {
+    typedef typename Num<T>::Acc Acc;
+    const int N = 16 / sizeof(T);
+    Pack<T> v[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) if (q < p) v[q].raw = load_peer(in[q] + i);     // p loads in flight
+    Acc acc[N];
+#pragma unroll
+    for (int k = 0; k < N; k++) acc[k] = Num<T>::up(v[0].e[k]);
+#pragma unroll
+    for (int q = 1; q < MAX_RANKS; q++)
+        if (q < p) {
+#pragma unroll
+            for (int k = 0; k < N; k++) acc[k] += Num<T>::up(v[q].e[k]);
+        }
+    Pack<T> out;
+#pragma unroll
+    for (int k = 0; k < N; k++) out.e[k] = Num<T>::down(acc[k]);
+    return out.raw;
+}
+
+// a + b elementwise, rounded to T (one step of the ring)
+template <typename T>
+__device__ __forceinline__ uint4 add_packs(uint4 a, uint4 b) {
+    Pack<T> x, y, z; x.raw = a; y.raw = b;
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(T); k++) z.e[k] = Num<T>::down(Num<T>::up(x.e[k]) + Num<T>::up(y.e[k]));
+    return z.raw;
+}
+
+// ---- one-shot: every rank reads all p buffers and sums them (small messages: one round) ------------------
+//   mine = x;  barrier(all);  out = sum over q of bufs[q] in rank order;  barrier(all)
+// The second barrier keeps a fast rank from overwriting its buffer (next call) while a slow one still reads.
+template <typename T>
+__global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                         unsigned int* epochs, int rank, int p, long long packs) {
+    const unsigned int all = (1u << p) - 1;
+    copy_packs<T>(bufs[rank], x, 0, packs);
+    barrier(flags, epochs, rank, all);
+    FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
+    barrier(flags, epochs, rank, all);
+}
+
+// ---- two-shot: reduce-scatter then allgather, each by reading all peers at once (large messages) --------
+//   mine = x;  barrier(all)
+//   chunk r of mine = sum over q of chunk r of bufs[q];  out chunk r = the same;  barrier(all)
+//   for every q != r: out chunk q = chunk q of bufs[q];  barrier(all)
+// Chunk r is summed once, by rank r, so every rank holds bitwise the same result.
+template <typename T>
+__global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                         unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+    const unsigned int all = (1u << p) - 1;
+    uint4* mine = bufs[rank];
+    if (x != mine)                                          // skipped when the input already lives there
+        for (int c = 0; c < p; c++)                         // chunk by chunk: block b copies what the peers'
+            copy_packs<T>(mine, x, c * chunk, lmin((c + 1) * chunk, packs));   // block b will read
+    barrier(flags, epochs, rank, all);
+    const long long first = rank * chunk, last = lmin(first + chunk, packs);
+    FOR_MY_PACKS(i, first, last) {
+        uint4 s = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
+        mine[i] = s;
+        out[i] = s;
+    }
+    barrier(flags, epochs, rank, all);
+    for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
+        const int q = (rank + step) % p;
+        const long long f = q * chunk, l = lmin(f + chunk, packs);
+        copy_packs<T>(out, bufs[q], f, l);
+    }
+    barrier(flags, epochs, rank, all);
+}
+
+// ---- ring: reduce-scatter then allgather with the left neighbour only, p-1 steps each ------------------
+// Read-based ring: at reduce-scatter step s rank r reads the left neighbour's partial sum of chunk
+// c = r-s-1 and adds its own x[c]; at allgather step s it copies the finished chunk r-s from the left.
+// Neighbour barriers (left and right) after each step keep every rank within one step of its neighbours,
+// so nobody overwrites a chunk the right neighbour has not read yet. Each chunk is summed once, in the
+// order x[c+1], x[c+2], ..., x[c] (rounded to T after each step, like NCCL's ring).
+template <typename T>
+__global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                     unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+    const int left = (rank + p - 1) % p, right = (rank + 1) % p;
+    const unsigned int neighbours = (1u << left) | (1u << right);
+    uint4* mine = bufs[rank];
+    const uint4* from_left = bufs[left];
+#define CHUNK_RANGE(c, f, l) const long long f = (long long)(c) * chunk, l = lmin(f + chunk, packs)
+    {   CHUNK_RANGE(rank, f, l);                                  // my own chunk: what the right reads first
+        if (x != mine) copy_packs<T>(mine, x, f, l); }
+    barrier(flags, epochs, rank, neighbours);
+    for (int s = 0; s < p - 1; s++) {                            // reduce-scatter
+        const int c = (rank - s - 1 + 2 * p) % p;
+        CHUNK_RANGE(c, f, l);
+        const bool finished = (s == p - 2);                      // chunk r+1 is complete here
+        FOR_MY_PACKS(i, f, l) {
+            uint4 v = add_packs<T>(load_peer(from_left + i), x[i]);
+            mine[i] = v;
+            if (finished) out[i] = v;
+        }
+        barrier(flags, epochs, rank, neighbours);
+    }
+    for (int s = 0; s < p - 1; s++) {                            // allgather
+        const int c = (rank - s + p) % p;
+        CHUNK_RANGE(c, f, l);
+        const bool pass_on = (s < p - 2);                        // the right neighbour still needs it
+        FOR_MY_PACKS(i, f, l) {
+            uint4 v = load_peer(from_left + i);
+            out[i] = v;
+            if (pass_on) mine[i] = v;
+        }
+        barrier(flags, epochs, rank, neighbours);
+    }
+#undef CHUNK_RANGE
+}
+
+// ---- the reduction step of the copy-engine all-reduce (copy_engine.py) ----------------------------------
+// The copy engines have brought block r of every peer into `staged` (peer q < r at slot q, q > r at q-1,
+// `stride` packs apart); sum them with this rank's own block, in rank order, into `mine`.
+template <typename T>
+__global__ void sum_staged(const uint4* staged, long long stride, uint4* mine, int rank, int p, long long packs) {
+    const uint4* in[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++)
+        in[q] = q == rank ? mine : staged + (long long)(q < rank ? q : q - 1) * stride;
+    FOR_MY_PACKS(i, 0, packs) mine[i] = sum_in_rank_order<T>(in, p, i);
+}

@@ -1,0 +1,336 @@
+"""All-reduce through peer memory with flags in GPU memory: one kernel launch, no host in the loop.
+
+On one NVLink node each GPU maps every other GPU's shared buffer (CUDA IPC) and a kernel reads it as if it
+were local. The ranks synchronise through *flags* that each GPU writes into its peers' memory: block b of
+rank r tells rank q "I passed barrier e" by storing e into q's ``flags[b][r]`` (a release store at system
+scope), and waits until its own ``flags[b][q]`` reaches e (an acquire load). No host call, no stream
+drain: the whole all-reduce is one kernel, so it can be captured in a CUDA graph, and its latency is a few
+NVLink round trips rather than a few host barriers (cuda_ipc.py is the host-synchronised first version).
+This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are in peer_allreduce.cu.
+
+    algorithm  rounds  NVLink bytes read per rank   for
+    one_shot   1       (p-1)·n                      small messages: latency is all that counts
+    two_shot   2       2(p-1)/p·n, all peers at once large messages on a switch (NVSwitch): every link busy
+    ring       2(p-1)  2(p-1)/p·n, left neighbour    the textbook ring, steps synchronised by flags
+
+Every algorithm sums in a fixed order and each result element is computed on exactly one rank (one_shot:
+on every rank, in rank order), so all ranks hold bitwise the same result. 16-bit floats are summed in
+float32 and rounded once (one_shot, two_shot) or after every step (ring, like NCCL's ring).
+
+    pm = PeerMemory(mpi_comm, max_bytes=64 << 20)   # collective; one process per GPU, one node
+    y = pm.allreduce(x)                             # x: CuPy array (or torch CUDA tensor via DLPack)
+    buf = pm.buffer(n, "float32")                   # this rank's shared buffer: write the input there and
+    pm.allreduce(buf, out=buf, algorithm="two_shot")  # nothing is copied in (in place, as NCCL can)
+    pm.close()                                      # collective
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+ALGORITHMS = ("one_shot", "two_shot", "ring")
+MAX_RANKS = 8               # as in peer_allreduce.cu
+MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
+BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
+THREADS = 512
+PACK = 16                   # bytes per vector load/store
+LINE_PACKS = 8              # chunks are whole 128-byte cache lines
+KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long",
+                "bfloat16": "bf16_bits", "float16": "f16_bits"}
+# What "auto" runs, by bytes per rank: (up to this size, algorithm), measured on 4x H200
+# (data/gpu_peer_allreduce_*.csv); PeerMemory.tune() measures it again on the machine at hand.
+DEFAULT_TABLE = ((256 << 10, "one_shot"), (1 << 62, "two_shot"))
+
+
+def kernel(name: str):
+    """A kernel of peer_allreduce.cu, e.g. ``kernel("two_shot<float>")`` (compiled once, on first use)."""
+    return _module().get_function(name)
+
+
+@lru_cache(maxsize=None)
+def _module():
+    import cupy
+
+    templates = ("one_shot", "two_shot", "ring", "sum_staged")
+    names = ["flag_barrier"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
+    source = Path(__file__).with_name("peer_allreduce.cu").read_text()
+    return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
+
+
+def _type_name(dtype) -> str:
+    name = "bfloat16" if str(dtype) in ("bfloat16", "|V2") else np.dtype(dtype).name
+    if name not in KERNEL_TYPES:
+        raise TypeError(f"peer all-reduce sums {sorted(KERNEL_TYPES)}, not {dtype}")
+    return KERNEL_TYPES[name]
+
+
+class PeerMemory:
+    """Shared buffers and flags of ``max_bytes`` per rank, mapped by every rank of ``mpi_comm`` (one node,
+    one GPU per process, at most 8 ranks). Collective to build and to close."""
+
+    def __init__(self, mpi_comm, max_bytes: int = 64 << 20):
+        import cupy
+
+        rt = cupy.cuda.runtime
+        self.mpi = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        node = mpi_comm.Split_type(_shared_type(), key=self.rank)
+        one_node = node.Get_size() == self.size
+        node.Free()
+        if not all(mpi_comm.allgather(one_node)):
+            raise ValueError("PeerMemory needs every rank on one node (CUDA IPC does not cross nodes)")
+        if self.size > MAX_RANKS:
+            raise ValueError(f"PeerMemory handles at most {MAX_RANKS} ranks, not {self.size}")
+        self.device = cupy.cuda.Device().id
+        self.max_blocks = min(BARRIER_SLOT, rt.getDeviceProperties(self.device)["multiProcessorCount"])
+        line = PACK * LINE_PACKS * self.size
+        self.nbytes = -(-int(max_bytes) // line) * line
+        flag_bytes = MAX_BLOCKS * MAX_RANKS * 4
+        self._own = [rt.malloc(self.nbytes), rt.malloc(flag_bytes)]  # whole allocations: IPC exports those
+        rt.memset(self._own[1], 0, flag_bytes)
+        self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
+        cupy.cuda.Device().synchronize()
+        handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
+        self._opened, data, flags = [], [], []
+        for q, (data_handle, flag_handle) in enumerate(handles):
+            if q == self.rank:
+                pointers = self._own
+            else:
+                pointers = [rt.ipcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess)
+                            for h in (data_handle, flag_handle)]
+                self._opened += pointers
+            data.append(pointers[0])
+            flags.append(pointers[1])
+        self._data = data
+        self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
+        self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
+        self.table = list(DEFAULT_TABLE)                      # (bytes per rank up to, algorithm) for "auto"
+        self.algorithm = "auto"                               # what tensor_allreduce runs
+        self.everyone = np.uint32((1 << self.size) - 1)       # the bit mask of all ranks, for barrier()
+        cupy.cuda.Device().synchronize()
+        mpi_comm.Barrier()                                    # every flag array is zero before any kernel
+
+    # ---- the shared buffer ------------------------------------------------------------------------------
+    def buffer(self, count: int, dtype="float32"):
+        """This rank's shared buffer as ``count`` elements: an input written here is not copied in."""
+        dtype = np.dtype(dtype)
+        if count * dtype.itemsize > self.nbytes:
+            raise ValueError(f"{count} x {dtype} do not fit the {self.nbytes}-byte peer buffers")
+        return self.peer_buffer(self.rank, count, dtype)
+
+    def peer_buffer(self, q: int, count: int, dtype="uint8", offset: int = 0):
+        """Rank q's shared buffer (mapped here) as ``count`` elements from byte ``offset``."""
+        import cupy
+
+        dtype = np.dtype(dtype)
+        pointer = self._own[0] if q == self.rank else self._data[q]
+        memory = cupy.cuda.UnownedMemory(pointer, self.nbytes, self, self.device)
+        return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(memory, offset))
+
+    def queue_barrier(self) -> None:
+        """Queue a barrier with every peer on the current stream: a kernel of one block that returns when
+        all peers' streams have reached theirs (nothing waits on the host)."""
+        kernel("flag_barrier")((1,), (32,), (self.flag_pointers, self.epochs, np.int32(self.rank), self.everyone,
+                                             np.int32(BARRIER_SLOT)))
+
+    def _is_buffer(self, a) -> bool:
+        return a.data.ptr == self._own[0]
+
+    # ---- the all-reduce ---------------------------------------------------------------------------------
+    def choose(self, nbytes: int) -> str:
+        """What "auto" runs for ``nbytes`` per rank: the fastest measured at the nearest size at or above
+        (``tune`` measures them here; until then, the switch point measured on 4x H200)."""
+        for upper, algorithm in self.table:
+            if nbytes <= upper:
+                return algorithm
+        return self.table[-1][1] if self.table else "two_shot"
+
+    def allreduce(self, x, algorithm: str = "auto", out=None, *, bf16: bool = False, check: bool = True):
+        """The sum over ranks of ``x`` (a contiguous CuPy array on this rank's GPU; ``bf16=True``: 16-bit
+        integers holding bfloat16 bits), in ``out`` (new if None), bitwise identical on every rank, queued
+        on the current stream. Collective. ``check`` compares sizes, dtypes and algorithms across ranks
+        first (one host all-gather, so every rank raises the same error; turn it off only to time)."""
+        import cupy
+
+        problem = _problem(self, x, algorithm, out, bf16)
+        if check:
+            mine = (x.size, str(x.dtype), algorithm)
+            everyone = self.mpi.allgather((mine, problem))
+            problems = [f"rank {q}: {pr}" for q, (_, pr) in enumerate(everyone) if pr]
+            if problems:
+                raise ValueError("peer all-reduce: " + "; ".join(problems))
+            if any(e != mine for e, _ in everyone):
+                raise ValueError("peer all-reduce arguments differ across ranks (count, dtype, algorithm): "
+                                 f"{[e for e, _ in everyone]}")
+        elif problem:
+            raise ValueError(f"peer all-reduce: {problem}")
+        if out is None:
+            out = cupy.empty_like(x)
+        self.allreduce_init(x, out, algorithm, bf16=bf16)()
+        return out
+
+    def allreduce_init(self, x, out, algorithm: str = "auto", *, bf16: bool = False):
+        """A persistent all-reduce (MPI 4's MPI_Allreduce_init): everything is worked out once, and the
+        returned function only launches the kernel, summing whatever ``x`` holds into ``out``. For
+        latency-bound loops and CUDA graphs. No argument check across ranks: see ``allreduce``."""
+        import cupy
+
+        if algorithm == "auto":
+            algorithm = self.choose(x.nbytes)
+        if x.size == 0:
+            return lambda: None
+        if self.size == 1:
+            return lambda: cupy.copyto(out, x)
+        source, target = _whole_packs(x), _whole_packs(out)
+        packs = source.nbytes // PACK
+        chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
+        work = packs if algorithm == "one_shot" else chunk
+        blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
+        args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
+                np.int32(self.rank), np.int32(self.size)]
+        args = tuple(args + ([np.int64(packs)] if algorithm == "one_shot" else [np.int64(chunk), np.int64(packs)]))
+        launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else _type_name(x.dtype)}>")
+        if source is x and target is out:
+            return lambda: launch((blocks,), (THREADS,), args)
+
+        def padded():                                  # odd sizes or misaligned views: through copies
+            if source is not x:
+                source[: x.nbytes] = x.ravel().view(cupy.uint8)
+            launch((blocks,), (THREADS,), args)
+            if target is not out:
+                out.ravel()[...] = target.view(out.dtype)[: out.size]
+        return padded
+
+    def allreduce_torch(self, tensor, algorithm: str = "auto", out=None, *, check: bool = True):
+        """The same for a torch CUDA tensor (no copy: CuPy sees its memory; bfloat16 travels as its 16
+        bits), queued on torch's current stream. ``out=tensor`` reduces in place."""
+        import cupy
+        import torch
+
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        out = torch.empty_like(tensor) if out is None else out
+        x, type_name = torch_as_cupy(tensor)
+        y, _ = torch_as_cupy(out)
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.allreduce(x, algorithm, y, bf16=type_name == "bf16_bits", check=check)
+        return out
+
+    # ---- the communicator interface of tplab's layers (pass a PeerMemory as their ``comm``) ---------------
+    def tensor_allreduce(self, t):
+        """In place on a torch CUDA tensor with ``self.algorithm``, on torch's current stream."""
+        return self.allreduce_torch(t, self.algorithm, out=t, check=False)
+
+    def barrier(self) -> None:
+        """Host barrier: this GPU's queued work is done, and so is every other rank's."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        self.mpi.Barrier()
+
+    def allgather_object(self, obj) -> list:
+        return self.mpi.allgather(obj)
+
+    def tune(self, sizes=None, iters: int = 20, dtype="float32"):
+        """Time every algorithm at ``sizes`` (bytes per rank) here, CUDA events around each call, the
+        slowest rank's median; "auto" then picks the fastest by size. Returns the timings (a DataFrame)."""
+        import cupy
+        import pandas as pd
+
+        sizes = sizes or [1 << k for k in range(10, 29, 2) if (1 << k) <= self.nbytes]
+        rows = []
+        for nbytes in sizes:
+            x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
+            for algorithm in ALGORITHMS:
+                times = []
+                for _ in range(iters + 3):
+                    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record()
+                    self.allreduce(x, algorithm, check=False)
+                    end.record()
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+                median = float(np.median(times[3:]))
+                rows.append({"size": nbytes, "algorithm": algorithm, "time_us": max(self.mpi.allgather(median))})
+        table = pd.DataFrame(rows)
+        best = table.loc[table.groupby("size")["time_us"].idxmin()].sort_values("size")
+        self.table = list(zip(best["size"], best["algorithm"]))
+        return table
+
+    def close(self) -> None:
+        """Collective: unmap the peers' buffers, free this rank's."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        cupy.cuda.Device().synchronize()
+        self.mpi.Barrier()                                    # nobody reads our memory any more
+        for pointer in self._opened:
+            rt.ipcCloseMemHandle(pointer)
+        for pointer in self._own:
+            rt.free(pointer)
+        self._opened, self._own = [], []
+
+
+TORCH_TYPES = {"bfloat16": "bf16_bits", "float16": "f16_bits", "float32": "float", "float64": "double",
+               "int32": "int", "int64": "long long"}
+
+
+def torch_as_cupy(t):
+    """A contiguous torch CUDA tensor as a flat CuPy array over the same memory (bfloat16 as int16, so
+    that it needs no CuPy support), and the element type of peer_allreduce.cu."""
+    import cupy
+
+    if not t.is_contiguous() or not t.is_cuda:
+        raise ValueError("needs a contiguous CUDA tensor")
+    type_name = TORCH_TYPES.get(str(t.dtype).removeprefix("torch."))
+    if type_name is None:
+        raise TypeError(f"peer all-reduce sums {sorted(TORCH_TYPES)}, not {t.dtype}")
+    dtype = np.int16 if type_name == "bf16_bits" else np.dtype(str(t.dtype).removeprefix("torch."))
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
+    return cupy.ndarray((t.numel(),), dtype, cupy.cuda.MemoryPointer(memory, 0)), type_name
+
+
+def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
+    """What is wrong with these arguments on this rank ('' if nothing)."""
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        return f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS + ('auto',)}"
+    if bf16 and x.dtype.itemsize != 2:
+        return f"bf16=True needs 16-bit integers holding bfloat16 bits, not {x.dtype}"
+    if not bf16:
+        try:
+            _type_name(x.dtype)
+        except TypeError as e:
+            return str(e)
+    if x.nbytes > pm.nbytes:
+        return f"{x.nbytes} bytes do not fit the {pm.nbytes}-byte peer buffers"
+    if not x.flags.c_contiguous or (out is not None and not out.flags.c_contiguous):
+        return "peer all-reduce needs contiguous arrays"
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        return f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}"
+    if x.device.id != pm.device:
+        return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
+    one_shot = algorithm == "one_shot" or (algorithm == "auto" and pm.choose(x.nbytes) == "one_shot")
+    if one_shot and out is not None and pm._is_buffer(out) and pm.size > 1:
+        return "one_shot cannot write into the shared buffer: the peers are reading it"
+    return ""
+
+
+def _whole_packs(a):
+    """``a`` itself when it is 16-byte aligned and a whole number of 16-byte packs; else a zero-padded copy
+    (the kernels move whole packs only)."""
+    import cupy
+
+    if a.nbytes % PACK == 0 and a.data.ptr % PACK == 0:
+        return a
+    padded = cupy.zeros(-(-a.nbytes // PACK) * PACK, dtype=cupy.uint8)
+    padded[: a.nbytes] = a.ravel().view(cupy.uint8)
+    return padded
+
+
+def _shared_type():
+    from mpi4py import MPI
+
+    return MPI.COMM_TYPE_SHARED
