@@ -124,6 +124,20 @@ def test_run_df_makes_one_row_per_rank(cluster):
     assert list(df.columns) == ["rank", "result"] and list(df["result"]) == [7] * N
 
 
+def test_gpu_questions_on_engines_without_gpus(cluster):
+    from tplab.devices import gpu_count
+
+    if any(cluster.run(gpu_count)):
+        pytest.skip("these engines see a GPU")
+    assert cluster.has_gpus() is False and cluster.resolve_device("auto") == "cpu"
+    with pytest.raises(ClusterError, match="rank 0 sees no GPU"):
+        cluster.resolve_device("gpu")
+    bound = cluster.bind_gpus()  # no error: every rank says it has no device
+    assert list(bound["rank"]) == list(range(N)) and bound["device"].isna().all()
+    assert list(bound.columns) == ["rank", "local_rank", "device", "name", "memory_gib", "host"]
+    assert sorted(bound["local_rank"]) == list(range(N))  # one node: local rank = rank
+
+
 def test_a_rank_that_hangs_times_out(cluster):
     def rank_2_is_slow():
         import time

@@ -11,8 +11,9 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
+from tplab.cluster import gpus
 from tplab.cluster.failures import ClusterError, ClusterTimeout, RankError, echo_output, gather_results, name_ranks
-from tplab.cluster.processes import cluster_processes, find_mpiexec, shutdown
+from tplab.cluster.processes import cluster_processes, find_mpiexec, mpiexec_args, shutdown
 
 # ipyparallel logs every engine's output at WARNING when mpiexec stops, and an ERROR for each stale
 # cluster file it reads: keep that out of notebook cells. Set this logger to DEBUG to watch the launchers.
@@ -78,6 +79,7 @@ class Cluster:
         # ipyparallel runs a bare `mpiexec`, not on PATH when the venv was never activated (a Jupyter
         # kernel started from elsewhere): use the one installed next to this Python, if there is one.
         config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
+        config.MPIEngineSetLauncher.mpi_args = mpiexec_args(find_mpiexec())  # Open MPI: as root, oversubscribed
         config.MPIEngineSetLauncher.environment = env
         where = {**_where(cluster_id, None, profile_dir), "shutdown_atexit": True}  # stop it as Python exits
         ipp_cluster = ipp.Cluster(engines="mpi", n=n, config=config, delay=0, **where)
@@ -162,6 +164,21 @@ class Cluster:
             else:
                 rows.append({"rank": rank, "result": result})
         return pd.DataFrame(rows, columns=None if rows else ["rank"])
+
+    # ---- GPUs: one engine per GPU (tplab/cluster/gpus.py) -------------------------------------------------
+    def has_gpus(self) -> bool:
+        """True if every engine sees a GPU."""
+        return gpus.has_gpus(self)
+
+    def resolve_device(self, device="auto") -> str:
+        """A notebook's ``device`` knob as "cpu" or "gpu": "auto" is "gpu" when every engine can have a GPU
+        of its own (and CuPy), else "cpu"."""
+        return gpus.resolve_device(self, device)
+
+    def bind_gpus(self):
+        """Bind each engine to the GPU of its node-local rank (CuPy and torch); a DataFrame, one row per rank
+        (device None on a machine without GPUs)."""
+        return gpus.bind_gpus(self)
 
     def activate(self, suffix=""):
         """Make ``%px`` and ``%%px`` (or ``%px<suffix>``) run on every rank, in rank order."""

@@ -31,16 +31,15 @@ connection setup (the first message to a peer) is not covered.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
+from tplab import devices
 from tplab.arrays import as_array, current_stream, device_buffer, gpu_scope, is_gpu_array
 from tplab.blocks import block_counts
 from tplab.comm.base import Communicator, CommTimeoutError, checked_ranks_per_node
 from tplab.comm.mpi import MPIComm
 from tplab.ops import get_op
 
-_bound_device = None  # the GPU this process was bound to (one per process)
 _world = None
 
 
@@ -72,26 +71,13 @@ def import_nccl():
 
 def bind_local_gpu(mpi_comm=None) -> int:
     """Bind this process to GPU ``local rank`` (its rank among the ranks on its node) and return it.
-    Collective on ``mpi_comm`` (default COMM_WORLD) the first time; later calls return the same GPU."""
-    global _bound_device
-    if _bound_device is not None:
-        return _bound_device
-    import cupy
-    from mpi4py import MPI
-
-    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    gpus = cupy.cuda.runtime.getDeviceCount()
-    if local_size > gpus:
-        raise RuntimeError(f"{local_size} ranks on this node but {gpus} visible GPU(s): start one rank per GPU "
+    Collective on ``mpi_comm`` (default COMM_WORLD) the first time; later calls return the same GPU.
+    (The binding itself lives in ``tplab.devices``, shared with tplab.cluster's engines.)"""
+    info = devices.bind_local_gpu(mpi_comm, import_torch=False)  # torch: only if the caller imported it
+    if info["device"] is None:
+        raise RuntimeError(f"{info['local_size']} ranks on this node but 0 visible GPU(s): start one rank per GPU "
                            "(NCCL refuses two ranks on one GPU)")
-    cupy.cuda.Device(local_rank).use()
-    if "torch" in sys.modules:  # torch asks CUDA for the current device too; say it explicitly anyway
-        sys.modules["torch"].cuda.set_device(local_rank)
-    _bound_device = local_rank
-    return local_rank
+    return info["device"]
 
 
 def nccl_world(timeout: float | None = None) -> "NcclComm":
