@@ -18,6 +18,11 @@ S = the gathered total, both factor (p-1)/p; broadcast and reduce S = the messag
 
     rows = sweep("allreduce", ["ring", "builtin"], sizes=[8, 1024, 1 << 20], csv="runs.csv")
     pandas.DataFrame(rows)   # identical on every rank; the CSV grows point by point and a rerun resumes
+
+On GPUs (``device="gpu"``, or any ``comm`` that moves GPU memory, such as ``tplab.comm.nccl_world()``) the
+input is a CuPy array on this rank's GPU, the built-in is NCCL's, and each call is timed with CUDA events
+on the current stream, started together (the stream drained, then a barrier): the time the GPU waited
+for the host (Python, launches) counts too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 
 import tplab
 from tplab.comm import world
+from tplab.devices import communicator, to_device, to_host
 
 BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors (shared/REFERENCE.md s.3)
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -70,6 +76,7 @@ def count_wrong(collective, algorithm, x, comm, op) -> int:
     max/min, beyond the rounding bound of p combinations for float sums and products."""
     got = _call(collective, x, comm, algorithm, op, check=True)
     want = _builtin(collective, x, comm, op)
+    got, want = (None if a is None else to_host(a) for a in (got, want))  # GPU results: compared on the host
     if got is None or want is None:  # reduce: only the root holds a result
         wrong = 0 if (got is None) == (want is None) else max(x.size, 1)
     elif got.dtype.kind in "iu" or op in ("max", "min") or collective in ("allgather", "broadcast"):
@@ -86,25 +93,48 @@ def osu_iterations(size: int) -> tuple[int, int]:
     return (1000, 100) if size <= 8192 else (100, 10)
 
 
+def _timed_on_gpu(fn, comm, iters) -> np.ndarray:
+    """Seconds of each of ``iters`` calls, by CUDA events on the current stream; each call starts together
+    (comm.barrier: this rank's GPU work finished, then every rank)."""
+    import cupy
+
+    stream, events = cupy.cuda.get_current_stream(), []
+    for _ in range(iters):
+        comm.barrier()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        events.append((start, end))
+    stream.synchronize()
+    return np.array([cupy.cuda.get_elapsed_time(start, end) / 1e3 for start, end in events])
+
+
 def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=20, warmup=3,
-                    comm=None, osu=False, validate=True) -> dict:
-    """Measure one point; returns one row (the same on every rank)."""
-    comm = comm or world()
+                    comm=None, osu=False, validate=True, device="cpu") -> dict:
+    """Measure one point; returns one row (the same on every rank). ``comm`` defaults to the communicator
+    for ``device`` (tplab.devices.communicator: the world on "cpu", NCCL on the bound GPU for "gpu")."""
+    comm = comm or communicator(device)
+    gpu = comm.moves_gpu_memory
     dt = np.dtype(dtype)
     count = elements_per_rank(collective, size, comm.size, dt.itemsize)
     rng = np.random.default_rng([count, comm.rank])
     x = (rng.integers(-8, 9, size=count) if dt.kind in "iu" else rng.uniform(-1, 1, size=count)).astype(dt)
+    x = to_device(x, "gpu") if gpu else x
     wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
     if osu:
         iters, warmup = osu_iterations(size)
     for _ in range(warmup):
         _call(collective, x, comm, algorithm, op)
-    mine = np.empty(iters)
-    for i in range(iters):
-        comm.barrier()
-        t0 = time.perf_counter()
-        _call(collective, x, comm, algorithm, op)
-        mine[i] = time.perf_counter() - t0
+    if gpu:
+        mine = _timed_on_gpu(lambda: _call(collective, x, comm, algorithm, op), comm, iters)
+    else:
+        mine = np.empty(iters)
+        for i in range(iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            _call(collective, x, comm, algorithm, op)
+            mine[i] = time.perf_counter() - t0
     everyone = np.array(comm.allgather_object(mine.tolist()))  # (ranks, iterations)
     nbytes = count * dt.itemsize * (comm.size if collective == "allgather" else 1)
     if osu:
@@ -159,16 +189,17 @@ def _append(path, row) -> None:
 
 
 def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20, warmup=3, comm=None,
-          osu=False, validate=True, csv_path=None, extra=None, progress=False) -> list:
+          osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu") -> list:
     """``time_collective`` for every size and algorithm; the rows, identical on every rank.
 
     ``csv_path``: rank 0 appends each point as soon as it is measured, and points already in the file
     (same collective, algorithm, ranks, size, type, redop, mode) are not measured again, so an
     interrupted sweep resumes where it stopped. ``extra``: columns added to every row (say, machine).
-    ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured)."""
+    ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured). ``device="gpu"``:
+    on the bound GPUs over NCCL (tplab.devices.communicator), unless ``comm`` is given."""
     from tqdm import tqdm  # (tqdm.auto would look for Jupyter widgets on the engines)
 
-    comm = comm or world()
+    comm = comm or communicator(device)
     done = _done_points(csv_path, comm)
     rows = []
     points = [(s, a) for s in sizes for a in algorithms]

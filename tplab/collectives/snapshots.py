@@ -39,19 +39,21 @@ def recording():
         _active = previous
 
 
-def trace_allreduce(algorithm: str, count: int | None = None, comm=None, ranks: int | None = None):
+def trace_allreduce(algorithm: str, count: int | None = None, comm=None, ranks: int | None = None,
+                    device: str = "cpu"):
     """Run one allreduce with x = 2**rank (op sum) on this rank while recording; return this rank's
     steps as ``{"rank": r, "size": p, "steps": [(label, [mask, ...], round), ...]}``. Call it on every
     rank. ``ranks=k`` runs it on the first k ranks only (a sub-communicator; the others return None),
-    which is how a notebook shows p = 3 on a cluster of 4.
+    which is how a notebook shows p = 3 on a cluster of 4. ``device="gpu"``: on each rank's GPU over
+    NCCL (tplab.devices.communicator), the snapshots copied back to the host.
 
     Each number is a bit mask: bit j set <=> rank j's contribution is included in that element."""
     import numpy as np
 
     import tplab
-    from tplab.comm import world
+    from tplab.devices import communicator, to_device, to_host
 
-    comm = comm or world()
+    comm = comm or communicator(device)
     if ranks is not None:
         sub = comm.split(color=0 if comm.rank < ranks else 1)
         if comm.rank >= ranks:
@@ -59,6 +61,8 @@ def trace_allreduce(algorithm: str, count: int | None = None, comm=None, ranks: 
         comm = sub
     count = comm.size if count is None else count
     x = np.full(count, 1 << comm.rank, dtype=np.int64)
+    x = to_device(x, "gpu") if comm.moves_gpu_memory else x
     with recording() as steps:
         tplab.allreduce(x, comm, algorithm=algorithm)
-    return {"rank": comm.rank, "size": comm.size, "steps": [(label, buf.tolist(), k) for label, buf, k in steps]}
+    return {"rank": comm.rank, "size": comm.size,
+            "steps": [(label, to_host(buf).tolist(), k) for label, buf, k in steps]}

@@ -33,6 +33,10 @@ them (a calibration: it makes the model fit small messages, it does not explain 
     rows = tplab.bench.sweep("allreduce", ["ring", "rabenseifner"], sizes)
     pandas.DataFrame(compare(rows, machine))                     # + predicted_us, error
     calibrated = fit_step(rows, machine)                         # optional: + Python's work per step
+
+On GPUs, pass a communicator that moves GPU memory (``tplab.comm.nccl_world()``): the vectors are CuPy
+arrays, the reduction a CuPy kernel, and each timed stretch ends by waiting for the GPU (host clock), so
+α, β, γ are those of NCCL point-to-point steps and GPU additions as tplab's algorithms take them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,16 @@ import numpy as np
 from tplab.cost.formulas import Machine, critical_path, predict
 
 DEFAULT_SIZES = [8 << (2 * i) for i in range(10)]  # 8 B, 32 B, ..., 2 MiB: 4x apart, every regime
+
+
+def _array_module_and_wait(gpu: bool):
+    """(numpy or cupy, a function that waits until this rank's GPU work is done; None on the host, where
+    the timed loops stay exactly as they were)."""
+    if not gpu:
+        return np, None
+    import cupy
+
+    return cupy, lambda: cupy.cuda.get_current_stream().synchronize()
 
 
 def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict]:
@@ -64,9 +78,10 @@ def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     steps = max(p - 1, 1)
+    xp, wait = _array_module_and_wait(comm.moves_gpu_memory)
     rows = []
     for size in sizes:
-        vector, incoming = np.ones(size * max(p, 2), dtype=np.uint8), np.empty(size, dtype=np.uint8)
+        vector, incoming = xp.ones(size * max(p, 2), dtype=np.uint8), xp.empty(size, dtype=np.uint8)
         times = []
         for i in range(warmup + iters):
             comm.barrier()
@@ -74,28 +89,34 @@ def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict
             for step in range(steps):
                 k = (r - step - 1) % max(p, 2)
                 comm.sendrecv(vector[k * size:(k + 1) * size], right, incoming, left)
+            if wait:
+                wait()
             if i >= warmup:
                 times.append((time.perf_counter() - t0) / steps)
         rows.append({"size": int(size), "time_s": max(comm.allgather_object(float(np.median(times))))})
     return rows
 
 
-def measure_reduction(sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3) -> list[dict]:
+def measure_reduction(sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3, gpu=False) -> list[dict]:
     """The reduction an algorithm does after each receive, the way it does it: out of place,
     ``np.add(received, mine, out=result)``, where ``result`` is fresh memory (the algorithms write
     their answer into a new array, so its pages are touched for the first time here: at megabytes
     the page faults cost about as much as the additions). ``size`` bytes per operand, whole elements
-    of ``dtype`` (at least one); the median over ``iters``. Local, not collective."""
+    of ``dtype`` (at least one); the median over ``iters``. Local, not collective. ``gpu``: CuPy arrays
+    on the current GPU, timed until the kernel is done."""
     dt = np.dtype(dtype)
+    xp, wait = _array_module_and_wait(gpu)
     rows = []
     for size in sizes:
         count = max(int(size) // dt.itemsize, 1)
-        a, b = np.ones(count, dtype=dt), np.ones(count, dtype=dt)
+        a, b = xp.ones(count, dtype=dt), xp.ones(count, dtype=dt)
         times = []
         for i in range(warmup + iters):
             t0 = time.perf_counter()
-            result = np.empty(count, dtype=dt)
-            np.add(a, b, out=result)
+            result = xp.empty(count, dtype=dt)
+            xp.add(a, b, out=result)
+            if wait:
+                wait()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             del result
@@ -111,14 +132,17 @@ def measure_entry(comm, sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3
 
     alone = comm.split(color=comm.rank)
     dt = np.dtype(dtype)
+    xp, wait = _array_module_and_wait(comm.moves_gpu_memory)
     rows = []
     for size in sizes:
-        x = np.ones(max(int(size) // dt.itemsize, 1), dtype=dt)
+        x = xp.ones(max(int(size) // dt.itemsize, 1), dtype=dt)
         times = []
         for i in range(warmup + iters):
             comm.barrier()
             t0 = time.perf_counter()
             allreduce(x, alone, algorithm="ring", check=False)
+            if wait:
+                wait()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         rows.append({"size": x.nbytes, "time_s": max(comm.allgather_object(float(np.median(times))))})
@@ -223,7 +247,7 @@ def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=Tr
     sizes = DEFAULT_SIZES if sizes is None else list(sizes)
     exchange = measure_exchange(comm, sizes, iters=iters)
     comm.barrier()
-    mine = measure_reduction(sizes, iters=iters, dtype=dtype)
+    mine = measure_reduction(sizes, iters=iters, dtype=dtype, gpu=comm.moves_gpu_memory)
     everyone = comm.allgather_object([r["time_s"] for r in mine])
     reduction = [{"size": r["size"], "time_s": max(ts)} for r, ts in zip(mine, zip(*everyone))]
     entry_rows = measure_entry(comm, sizes, iters=iters, dtype=dtype) if entry else None

@@ -131,13 +131,15 @@ def forward_time_vs_tp(config: GPTConfig, comm=None, batch: int = 4, seq: int = 
     """Forward time (and generation tokens/s if ``new_tokens``) of ``config``'s model split over t ranks,
     for each TP degree t: ranks 0..t-1 run it, the others wait sleeping. One row per degree, the same
     on every rank. ``threads`` torch threads per rank while timing (1: one core per rank). ``comm``:
-    default the world (so ``cluster.run(forward_time_vs_tp, config)`` works from a notebook)."""
-    if comm is None:
-        from tplab.comm import world
-
-        comm = world()
-    degrees = degrees or tp_degrees(config, comm.size)
+    default the world, or on ``device="cuda"`` NCCL on each rank's bound GPU (tplab.devices.communicator),
+    so ``cluster.run(forward_time_vs_tp, config)`` works from a notebook either way."""
     device = torch.device(device or "cpu")
+    if comm is None:
+        from tplab.devices import communicator
+
+        comm = communicator(device.type)
+    waiter = comm.host if comm.moves_gpu_memory else comm  # (the token waited for below is a host array)
+    degrees = degrees or tp_degrees(config, comm.size)
     rows = []
     for t in degrees:
         member = comm.rank < t
@@ -156,7 +158,7 @@ def forward_time_vs_tp(config: GPTConfig, comm=None, batch: int = 4, seq: int = 
                 if new_tokens:
                     row.update(time_generation(sharded, tokens[:, : max(seq // 4, 1)], new_tokens, group,
                                                repeats=max(2, iters // 3)))
-        wait_sleeping_for_rank_0(comm)
+        wait_sleeping_for_rank_0(waiter)
         rows.append(comm.allgather_object(row)[0])
     return rows
 

@@ -11,7 +11,8 @@ attention's s² work with it, which no number of ranks hides (``ideal_time_s`` s
 On CPU ranks (the notebook) every p runs on a sub-communicator of the first p ranks; the others wait.
 Timing follows tplab.bench: warm-up, then iterations started together (barrier), medians, max over
 ranks. ``time_calls(..., cuda=True)`` times with CUDA events (scripts/gpu_sequence_parallel.py).
-``comm`` defaults to ``tplab.comm.world()``: ``cluster.run(scaling_study, mode="weak")`` in a notebook.
+``comm`` defaults to ``tplab.comm.world()``: ``cluster.run(scaling_study, mode="weak")`` in a notebook;
+``scaling_study(device="gpu")`` runs on each rank's bound GPU over NCCL (tplab.devices), timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from tplab.comm import world
 from tplab.cost.sequence_parallel import attention_bytes, causal_work
+from tplab.devices import communicator, is_gpu, torch_device
 from tplab.models.gpt import Block, GPTConfig
 from tplab.sequence.allgather_kv import attend_local
 from tplab.sequence.gather import gather_sequence
@@ -96,9 +98,9 @@ def measure_layer(comm, block, x_full, *, scheme="allgather_kv", layout="contigu
     return {"time_s": slowest_median(times, comm), "bytes_per_rank": max(comm.allgather_object(sent))}
 
 
-def _unsplit_time(layer, x, iters, warmup) -> float:
+def _unsplit_time(layer, x, iters, warmup, cuda=False) -> float:
     with torch.no_grad():
-        return statistics.median(time_calls(lambda: layer(x), iters=iters, warmup=warmup))
+        return statistics.median(time_calls(lambda: layer(x), iters=iters, warmup=warmup, cuda=cuda))
 
 
 def _sleeping_twin(comm):
@@ -109,12 +111,15 @@ def _sleeping_twin(comm):
 
 def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None, mode="strong",
                   scheme="allgather_kv", layout="contiguous", causal=False, dtype=torch.float32, iters=5,
-                  warmup=2, threads=1) -> list[dict]:
+                  warmup=2, threads=1, device="cpu") -> list[dict]:
     """Forward time of the sequence-parallel layer for each p in ``ranks`` (default: every p up to
     comm.size that the sequence splits over), on the first p ranks; the unsplit layer timed on rank 0
     alone. ``scheme``: one name or a list (each measured at every p). Collective; the same rows on every
-    rank. ``threads``: torch threads per rank (1: ranks, not threads, do the parallel work)."""
-    comm = world() if comm is None else comm
+    rank. ``threads``: torch threads per rank (1: ranks, not threads, do the parallel work).
+    ``device="gpu"``: the layer and its input on each rank's GPU, ``comm`` by default NCCL over the bound
+    GPUs (tplab.devices.communicator), CUDA-event timing."""
+    cuda, where = is_gpu(device), torch_device(device)
+    comm = communicator(device) if comm is None else comm
     schemes = [scheme] if isinstance(scheme, str) else list(scheme)
     if mode not in ("strong", "weak"):
         raise ValueError(f"mode must be 'strong' or 'weak', not {mode!r}")
@@ -126,27 +131,28 @@ def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=
         raise ValueError(f"ranks {ranks} must lie in 1..{comm.size}")
     for p in ranks:  # every rank checks before any communication: the same error everywhere
         chunk_length(seq_len * (p if mode == "weak" else 1), p, layout)
-    waiter = _sleeping_twin(comm)
+    # ranks that only wait sleep (CPU: they would spin on a core a measured rank needs); GPU ranks wait in MPI
+    waiter = comm.host if comm.moves_gpu_memory else _sleeping_twin(comm)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        block = make_block(hidden, heads, dtype=dtype)
+        block = make_block(hidden, heads, dtype=dtype, device=where)
         whole = unsplit_layer(block, causal=causal)  # the same layer, all tokens on one rank
         # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU";
         # warmed up twice over, since the very first calls of a process pay for allocations and caches
-        base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype), iters, 2 * warmup + 2) \
-            if comm.rank == 0 else None
+        base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype, device=where), iters,
+                             2 * warmup + 2, cuda) if comm.rank == 0 else None
         rows = []
         for p in ranks:
             s = seq_len * p if mode == "weak" else seq_len
-            x_full = make_input(batch, s, hidden, dtype=dtype)
+            x_full = make_input(batch, s, hidden, dtype=dtype, device=where)
             if comm.rank == 0:  # weak scaling: the whole grown problem on one rank, for the speedup
-                unsplit = base if s == seq_len else _unsplit_time(whole, x_full, iters, warmup)
+                unsplit = base if s == seq_len else _unsplit_time(whole, x_full, iters, warmup, cuda)
             waiter.barrier()
             sub = comm.split(color=0 if comm.rank < p else 1)
             for name in schemes:
                 measured = measure_layer(sub, block, x_full, scheme=name, layout=layout, causal=causal,
-                                         iters=iters, warmup=warmup) if comm.rank < p else None
+                                         iters=iters, warmup=warmup, cuda=cuda) if comm.rank < p else None
                 waiter.barrier()
                 if comm.rank != 0:
                     continue
