@@ -6,11 +6,13 @@ Implementations (tplab.comm.peer_memory, tplab.comm.copy_engine; NCCL through Cu
 
     nccl            ncclAllReduce
     one_shot        peer memory, flags in GPU memory, one kernel: every rank reads all p buffers
-    two_shot        the same, reduce-scatter then allgather, reading all peers at once
+    two_shot        the same, reduce-scatter by pushing chunks to their owners, allgather by pulling
+    two_shot_pull   the same, both rounds by reading peers (the input copied into the shared buffer first)
     ring            the same, read-based ring: 2(p-1) steps with the left neighbour, flag-synchronised
     copy_engine     two-shot whose bytes move by the GPUs' copy engines (no SMs), flags between rounds
     ring/nccl       tplab's Python ring over NCCL send/recv (tplab.comm.nccl), for reference
-    input=registered: the input already lies in the rank's shared buffer (nothing copied in; in place)
+    input=registered: the input already lies in the rank's shared buffer (nothing copied in; in place;
+                    two_shot then runs as two_shot_pull)
 
 1. Correctness against NCCL (float64 reference): int32, int64, float16, bfloat16, float32, float64; counts
    0, 1, 7, p+1, 1023, 4101, 65537, 2^20+3; a misaligned view; every call twice (buffer reuse); the result
@@ -120,12 +122,12 @@ def main():
             def value(y):
                 return bf16_values(y) if bf16 else y.astype(cupy.int64 if dtype.startswith("int") else cupy.float64)
 
-            for algorithm in ["one_shot", "two_shot", "ring", "auto"]:
+            for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "auto"]:
                 first = pm.allreduce(x, algorithm, bf16=bf16)
                 again = pm.allreduce(x, algorithm, bf16=bf16)
                 verdict(f"{algorithm} {dtype} n={count}", value(first), want, scale, tolerances[dtype])
                 verdict(f"{algorithm} {dtype} n={count} (second call)", value(again), value(first), scale, 0)
-                if algorithm in ("two_shot", "ring") and count:
+                if algorithm in ("one_shot", "two_shot", "ring") and count:
                     buf = pm.buffer(count, x.dtype)
                     buf[...] = x
                     pm.allreduce(buf, algorithm, out=buf, bf16=bf16)
@@ -139,13 +141,13 @@ def main():
                 ce.allreduce_(y, "bf16_bits")
                 verdict(f"copy_engine {dtype} n={count}", value(y), want, scale, tolerances[dtype])
     base = cupy.arange(4097, dtype=cupy.float32) + R
-    for algorithm in ["one_shot", "two_shot", "ring"]:              # a view 4 bytes into its allocation
+    for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:  # a view 4 bytes into its allocation
         got = pm.allreduce(base[1:], algorithm)
         want = nccl.builtin_allreduce(base[1:].astype(cupy.float64))
         verdict(f"{algorithm} misaligned view", got.astype(cupy.float64), want, cupy.abs(want), 1e-6 * P)
     try:                                                             # CUDA graphs: 10 all-reduces captured
         stream = cupy.cuda.Stream(non_blocking=True)
-        for algorithm in ["one_shot", "two_shot", "ring"]:
+        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:
             x = cupy.asarray(np.random.default_rng(R).standard_normal(1 << 14).astype(np.float32))
             out = cupy.zeros_like(x)
             run = pm.allreduce_init(x, out, algorithm)
@@ -204,21 +206,25 @@ def main():
         out = cupy.empty_like(x)
         iters = 20 if size <= (1 << 20) else 10 if size <= (16 << 20) else 5
         runs = {("nccl", "copied"): lambda: nccl_allreduce(x, out)}
-        for algorithm in ["one_shot", "two_shot", "ring"]:
-            if algorithm == "one_shot" and size > (16 << 20):
+        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:
+            if algorithm == "one_shot" and size > pm.small:
                 continue                                 # reads (p-1)·n: pointless this large
             runs[(algorithm, "copied")] = pm.allreduce_init(x, out, algorithm)
-            if algorithm != "one_shot":
+            if algorithm in ("two_shot", "ring"):
                 buf = pm.buffer(n, cupy.float32)
                 buf.fill(1)
-                runs[(algorithm, "registered")] = pm.allreduce_init(buf, buf, algorithm)
+                runs[("two_shot_pull" if algorithm == "two_shot" else algorithm, "registered")] = \
+                    pm.allreduce_init(buf, buf, algorithm)
+        if size <= (1 << 20):                            # the plain call: argument handling each time
+            runs[("one_shot", "copied, allreduce() call")] = lambda: pm.allreduce(x, "one_shot", out, check=False)
         y = x.copy()
         runs[("copy_engine", "copied")] = lambda: ce.allreduce_(y, "float")
         if size >= (16 << 20):
             runs[("ring/nccl", "copied")] = lambda: tplab.allreduce(x, nccl, algorithm="ring", check=False)
         line = []
         for (name, where), run in runs.items():
-            modes = ["eager"] + (["graph"] if size <= (1 << 20) and name in ("nccl", "one_shot", "two_shot") else [])
+            graphable = name in ("nccl", "one_shot", "two_shot") and where != "copied, allreduce() call"
+            modes = ["eager"] + (["graph"] if size <= (1 << 20) and graphable else [])
             for mode in modes:
                 try:
                     t = timed(run, iters, graph=mode == "graph")
@@ -230,7 +236,8 @@ def main():
                              "size": size, "count": n, "type": "float32", "redop": "sum", "time_us": t,
                              "algbw": algbw, "busbw": algbw * 2 * (P - 1) / P, "wrong": -1, "iters": iters,
                              "machine": machine})
-                line.append(f"{name}{'*' if where == 'registered' else ''}{'/g' if mode == 'graph' else ''} {t:.1f}")
+                mark = {"registered": "*", "copied, allreduce() call": "()"}.get(where, "")
+                line.append(f"{name}{mark}{'/g' if mode == 'graph' else ''} {t:.1f}")
         say(f"{size:>10} B  " + "  ".join(line))
         if R == 0:
             Path(args.out_dir).mkdir(parents=True, exist_ok=True)

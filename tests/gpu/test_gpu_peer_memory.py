@@ -49,7 +49,7 @@ def close(got, want, scale, dtype) -> bool:
     return bool((cupy.abs(got - want) <= TOLERANCE[dtype] * scale).all())
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "ring", "auto", "copy_engine"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "auto", "copy_engine"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("count", [0, 1, 7, P + 1, 1023, 65537])
 def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
@@ -71,7 +71,7 @@ def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
     agree(same_on_every_rank(cupy.asnumpy(results[0]).tobytes()), "ranks differ")
 
 
-@pytest.mark.parametrize("algorithm", ["two_shot", "ring"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring"])
 def test_in_place_on_the_shared_buffer(algorithm):
     x, values = inputs("float32", 10007)
     buf = PEERS.buffer(x.size, "float32")
@@ -81,7 +81,21 @@ def test_in_place_on_the_shared_buffer(algorithm):
     agree(close(buf.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "ring"])
+def test_algorithms_in_any_order():
+    """Each algorithm leaves the flags and buffers fit for any other next (one_shot's own double buffer,
+    the end barriers of the others): a random sequence of all of them, each checked."""
+    rng = np.random.default_rng(7)  # the same sequence on every rank
+    for step in range(40):
+        algorithm = ["one_shot", "two_shot", "two_shot_pull", "ring"][rng.integers(4)]
+        count = int(rng.choice([5, 1000, 40000]))
+        x, values = inputs("float32", count)
+        got = PEERS.allreduce(x + step, algorithm)
+        want = NCCL.builtin_allreduce(values + step)
+        agree(close(got.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values + step)), "float32"),
+              f"step {step}: {algorithm} n={count}")
+
+
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring"])
 def test_replayed_from_a_cuda_graph(algorithm):
     x, values = inputs("float32", 4096)
     out = cupy.zeros_like(x)
@@ -108,6 +122,5 @@ def test_bad_arguments_raise_on_every_rank():
     if P > 1:
         with pytest.raises(ValueError, match="differ across ranks"):
             PEERS.allreduce(cupy.zeros(4 + COMM.rank, dtype="float32"))
-        buf = PEERS.buffer(64, "float32")
-        with pytest.raises(ValueError, match="shared buffer"):
-            PEERS.allreduce(buf, "one_shot", out=buf)
+    with pytest.raises(ValueError, match="one_shot handles up to"):
+        PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")

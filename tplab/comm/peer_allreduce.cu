@@ -59,12 +59,13 @@ __device__ __forceinline__ long long lmin(long long a, long long b) { return a <
 // passed barrier number e" by writing e into their flags[b][me], and waits until its own flags[b][q] >= e.
 // e counts the barriers this block has passed; the count lives in device memory (epochs[b]) so that a
 // graph replay goes on counting. All ranks pass the same barriers, so their counts agree.
+// (No __threadfence_system: bar.sync orders the block's writes before thread q's release store, which is
+// cumulative; the fence costs microseconds per barrier and is what a first version measured.)
 __device__ void barrier_at(int slot, unsigned int* const* flags, unsigned int* epochs, int rank, unsigned int who) {
     __syncthreads();                                     // this block's writes happen before the signal
     const unsigned int e = epochs[slot] + 1;
     const int q = threadIdx.x;
     if (q < MAX_RANKS && q != rank && ((who >> q) & 1u)) {
-        __threadfence_system();
         store_release(flags[q] + slot * MAX_RANKS + rank, e);
         const unsigned int* mine = flags[rank] + slot * MAX_RANKS + q;
         while ((int)(load_acquire(mine) - e) < 0) { }       // wrap-safe "mine < e"
@@ -127,27 +128,88 @@ __device__ __forceinline__ uint4 add_packs(uint4 a, uint4 b) {
     return z.raw;
 }
 
+// Two packs per thread per trip (i and i + grid size): twice the loads in flight. The same packs fall to
+// the same block as in FOR_MY_PACKS, so the two loops can meet across ranks.
+#define FOR_MY_PACK_PAIRS(i, j, first, last) \
+    for (long long i = (first) + (long long)blockIdx.x * blockDim.x + threadIdx.x, \
+         j = i + (long long)gridDim.x * blockDim.x; i < (last); \
+         i += 2LL * gridDim.x * blockDim.x, j += 2LL * gridDim.x * blockDim.x)
+
 // ---- one-shot: every rank reads all p buffers and sums them (small messages: one round) ------------------
-//   mine = x;  barrier(all);  out = sum over q of bufs[q] in rank order;  barrier(all)
-// The second barrier keeps a fast rank from overwriting its buffer (next call) while a slow one still reads.
+//   mine = x;  barrier(all);  out = sum over q of bufs[q] in rank order
+// The staging area alternates between two halves (the parity of this block's barrier count): before a
+// block writes a half again it has passed another barrier with every peer, which the peer could only reach
+// after finishing the kernel that read that half. So one barrier is enough, not two.
 template <typename T>
 __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                         unsigned int* epochs, int rank, int p, long long packs) {
+                         unsigned int* epochs, int rank, int p, long long packs, long long base, long long half) {
+    const long long at = base + (long long)(epochs[blockIdx.x] & 1u) * half;
+    const uint4* in[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] + at : bufs[0];
+    uint4* mine = bufs[rank] + at;
+    FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
+    barrier(flags, epochs, rank, (1u << p) - 1);
+    FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
+}
+
+// ---- two-shot: reduce-scatter by pushing, allgather by pulling (large messages) -------------------------
+// Rank r's buffer holds p slots of one chunk each. Slot q (q != r) receives chunk r of rank q's input,
+// written there by rank q over NVLink; slot r receives rank r's result for chunk r.
+//   for q != r: bufs[q] slot r = x chunk q                 (push: stores to every peer at once)
+//   barrier(all)
+//   my slot r = out chunk r = sum in rank order of (x chunk r for me, slot q for q)
+//   barrier(all)
+//   for q != r: out chunk q = bufs[q] slot q               (pull the others' results)
+//   barrier(all)                                          (nobody overwrites a slot still being read)
+// Slot q starts at q·chunk, so rank q's result sits at the same index as in `out`.
+template <typename T>
+__global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                         unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
     const unsigned int all = (1u << p) - 1;
-    copy_packs<T>(bufs[rank], x, 0, packs);
+    uint4* mine = bufs[rank];
+    for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
+        const int q = (rank + step) % p;
+        const long long f = q * chunk, l = lmin(f + chunk, packs);
+        uint4* slot = bufs[q] + (long long)rank * chunk - f;  // slot[i] for i in chunk q
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const uint4 a = x[i];
+            if (j < l) { const uint4 b = x[j]; slot[j] = b; }
+            slot[i] = a;
+        }
+    }
     barrier(flags, epochs, rank, all);
-    FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
+    const long long f = rank * chunk, l = lmin(f + chunk, packs);
+    const uint4* in[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) in[q] = q == rank ? x : mine + (long long)q * chunk - f;
+    FOR_MY_PACKS(i, f, l) {
+        const uint4 s = sum_in_rank_order<T>(in, p, i);
+        mine[i] = s;
+        out[i] = s;
+    }
+    barrier(flags, epochs, rank, all);
+    for (int step = 1; step < p; step++) {
+        const int q = (rank + step) % p;
+        const long long g = q * chunk, h = lmin(g + chunk, packs);
+        const uint4* theirs = bufs[q];
+        FOR_MY_PACK_PAIRS(i, j, g, h) {
+            const uint4 a = load_peer(theirs + i);
+            if (j < h) { const uint4 b = load_peer(theirs + j); out[j] = b; }
+            out[i] = a;
+        }
+    }
     barrier(flags, epochs, rank, all);
 }
 
-// ---- two-shot: reduce-scatter then allgather, each by reading all peers at once (large messages) --------
-//   mine = x;  barrier(all)
+// ---- two-shot by pulling only: for inputs that already lie in the shared buffers ("registered") ----------
+//   mine = x (skipped when x is mine);  barrier(all)
 //   chunk r of mine = sum over q of chunk r of bufs[q];  out chunk r = the same;  barrier(all)
 //   for every q != r: out chunk q = chunk q of bufs[q];  barrier(all)
 // Chunk r is summed once, by rank r, so every rank holds bitwise the same result.
 template <typename T>
-__global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                         unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+__global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                              unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     if (x != mine)                                          // skipped when the input already lives there
@@ -190,10 +252,19 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
         const int c = (rank - s - 1 + 2 * p) % p;
         CHUNK_RANGE(c, f, l);
         const bool finished = (s == p - 2);                      // chunk r+1 is complete here
-        FOR_MY_PACKS(i, f, l) {
-            uint4 v = add_packs<T>(load_peer(from_left + i), x[i]);
-            mine[i] = v;
-            if (finished) out[i] = v;
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const bool two = j < l;
+            const uint4 a = load_peer(from_left + i), xa = x[i];
+            uint4 b, xb;
+            if (two) { b = load_peer(from_left + j); xb = x[j]; }
+            const uint4 u = add_packs<T>(a, xa);
+            mine[i] = u;
+            if (finished) out[i] = u;
+            if (two) {
+                const uint4 v = add_packs<T>(b, xb);
+                mine[j] = v;
+                if (finished) out[j] = v;
+            }
         }
         barrier(flags, epochs, rank, neighbours);
     }
@@ -201,10 +272,14 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
         const int c = (rank - s + p) % p;
         CHUNK_RANGE(c, f, l);
         const bool pass_on = (s < p - 2);                        // the right neighbour still needs it
-        FOR_MY_PACKS(i, f, l) {
-            uint4 v = load_peer(from_left + i);
-            out[i] = v;
-            if (pass_on) mine[i] = v;
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const bool two = j < l;
+            const uint4 a = load_peer(from_left + i);
+            uint4 b;
+            if (two) b = load_peer(from_left + j);
+            out[i] = a;
+            if (pass_on) mine[i] = a;
+            if (two) { out[j] = b; if (pass_on) mine[j] = b; }
         }
         barrier(flags, epochs, rank, neighbours);
     }

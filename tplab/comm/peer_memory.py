@@ -8,10 +8,12 @@ drain: the whole all-reduce is one kernel, so it can be captured in a CUDA graph
 NVLink round trips rather than a few host barriers (cuda_ipc.py is the host-synchronised first version).
 This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are in peer_allreduce.cu.
 
-    algorithm  rounds  NVLink bytes read per rank   for
-    one_shot   1       (p-1)·n                      small messages: latency is all that counts
-    two_shot   2       2(p-1)/p·n, all peers at once large messages on a switch (NVSwitch): every link busy
-    ring       2(p-1)  2(p-1)/p·n, left neighbour    the textbook ring, steps synchronised by flags
+    algorithm      rounds  NVLink bytes per rank          for
+    one_shot       1       (p-1)·n read                    small messages: latency is all that counts
+    two_shot       2       2(p-1)/p·n: push the chunks to  large messages on a switch (NVSwitch): every
+                           their owners, pull the results  link busy at once
+    two_shot_pull  2       the same, both rounds pulled    inputs already in the shared buffer (registered)
+    ring           2(p-1)  2(p-1)/p·n, left neighbour      the textbook ring, steps synchronised by flags
 
 Every algorithm sums in a fixed order and each result element is computed on exactly one rank (one_shot:
 on every rank, in rank order), so all ranks hold bitwise the same result. 16-bit floats are summed in
@@ -31,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-ALGORITHMS = ("one_shot", "two_shot", "ring")
+ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring")
+SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 MAX_RANKS = 8               # as in peer_allreduce.cu
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
@@ -54,7 +57,7 @@ def kernel(name: str):
 def _module():
     import cupy
 
-    templates = ("one_shot", "two_shot", "ring", "sum_staged")
+    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "sum_staged")
     names = ["flag_barrier"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     source = Path(__file__).with_name("peer_allreduce.cu").read_text()
     return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
@@ -87,9 +90,10 @@ class PeerMemory:
         self.device = cupy.cuda.Device().id
         self.max_blocks = min(BARRIER_SLOT, rt.getDeviceProperties(self.device)["multiProcessorCount"])
         line = PACK * LINE_PACKS * self.size
-        self.nbytes = -(-int(max_bytes) // line) * line
+        self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
+        self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
         flag_bytes = MAX_BLOCKS * MAX_RANKS * 4
-        self._own = [rt.malloc(self.nbytes), rt.malloc(flag_bytes)]  # whole allocations: IPC exports those
+        self._own = [rt.malloc(self.nbytes + 2 * self.small), rt.malloc(flag_bytes)]  # whole allocations: IPC exports those
         rt.memset(self._own[1], 0, flag_bytes)
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
         cupy.cuda.Device().synchronize()
@@ -127,7 +131,7 @@ class PeerMemory:
 
         dtype = np.dtype(dtype)
         pointer = self._own[0] if q == self.rank else self._data[q]
-        memory = cupy.cuda.UnownedMemory(pointer, self.nbytes, self, self.device)
+        memory = cupy.cuda.UnownedMemory(pointer, self.nbytes + 2 * self.small, self, self.device)
         return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(memory, offset))
 
     def queue_barrier(self) -> None:
@@ -157,13 +161,13 @@ class PeerMemory:
 
         problem = _problem(self, x, algorithm, out, bf16)
         if check:
-            mine = (x.size, str(x.dtype), algorithm)
+            mine = (x.size, str(x.dtype), algorithm, self._is_buffer(x))
             everyone = self.mpi.allgather((mine, problem))
             problems = [f"rank {q}: {pr}" for q, (_, pr) in enumerate(everyone) if pr]
             if problems:
                 raise ValueError("peer all-reduce: " + "; ".join(problems))
             if any(e != mine for e, _ in everyone):
-                raise ValueError("peer all-reduce arguments differ across ranks (count, dtype, algorithm): "
+                raise ValueError("peer all-reduce arguments differ across ranks (count, dtype, algorithm, input in the shared buffer): "
                                  f"{[e for e, _ in everyone]}")
         elif problem:
             raise ValueError(f"peer all-reduce: {problem}")
@@ -180,6 +184,8 @@ class PeerMemory:
 
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
+        if algorithm == "two_shot" and self._is_buffer(x):
+            algorithm = "two_shot_pull"           # the input lies where two_shot's slots would: pull it
         if x.size == 0:
             return lambda: None
         if self.size == 1:
@@ -191,7 +197,11 @@ class PeerMemory:
         blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
         args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
                 np.int32(self.rank), np.int32(self.size)]
-        args = tuple(args + ([np.int64(packs)] if algorithm == "one_shot" else [np.int64(chunk), np.int64(packs)]))
+        if algorithm == "one_shot":
+            args += [np.int64(packs), np.int64(self.nbytes // PACK), np.int64(self.small // PACK)]
+        else:
+            args += [np.int64(chunk), np.int64(packs)]
+        args = tuple(args)
         launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else _type_name(x.dtype)}>")
         if source is x and target is out:
             return lambda: launch((blocks,), (THREADS,), args)
@@ -245,6 +255,8 @@ class PeerMemory:
         for nbytes in sizes:
             x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
             for algorithm in ALGORITHMS:
+                if algorithm == "one_shot" and nbytes > self.small:
+                    continue
                 times = []
                 for _ in range(iters + 3):
                     start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -313,8 +325,8 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     if x.device.id != pm.device:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
     one_shot = algorithm == "one_shot" or (algorithm == "auto" and pm.choose(x.nbytes) == "one_shot")
-    if one_shot and out is not None and pm._is_buffer(out) and pm.size > 1:
-        return "one_shot cannot write into the shared buffer: the peers are reading it"
+    if one_shot and x.nbytes > pm.small:
+        return f"one_shot handles up to {pm.small} bytes, not {x.nbytes}: use two_shot or ring"
     return ""
 
 
