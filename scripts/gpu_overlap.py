@@ -182,6 +182,7 @@ def main():
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
     parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU; also "tplab copy engine", '
                         '"tplab peer"), "tplab MPI" (CPU; "tplab MPI,torch.distributed" adds gloo)')
+    parser.add_argument("--peer-blocks", type=int, default=16, help='grid of the "tplab peer" kernels (SMs taken)')
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
@@ -231,10 +232,12 @@ def main():
         from tplab.comm.copy_engine import CopyEngineAllreduce
 
         paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
+        if WORLD.rank == 0:
+            print(f"tplab copy engine: barriers by {paths['tplab copy engine'].stream_barriers.kind}", flush=True)
     if "tplab peer" in args.paths and cuda:  # the two-shot peer-memory kernel (SMs move the bytes)
         from tplab.comm.peer_memory import PeerMemory
 
-        paths["tplab peer"] = PeerMemory(WORLD, nbytes)
+        paths["tplab peer"] = PeerMemory(WORLD, nbytes, blocks=args.peer_blocks)  # leave SMs to the GEMMs
         paths["tplab peer"].algorithm = "two_shot"
     if "tplab ring" in args.paths and cuda:
         comm, why = tplab_nccl_comm()
@@ -263,6 +266,9 @@ def main():
                 df["cuda_device_max_connections"] = connections
                 df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
             df["batch"], df["seq"], df["heads"], df["repeat"] = args.batch, args.seq, args.heads, repeat
+            df["path_detail"] = {"tplab peer": f"two_shot kernel, {args.peer_blocks} blocks",
+                                 "tplab copy engine": "copy engines; barriers by " +
+                                 getattr(getattr(comm, "stream_barriers", None), "kind", "")}.get(path, "")
             if not cuda:  # other work on the machine: the 1-minute load average when this sweep ended
                 df["load_average"] = round(os.getloadavg()[0], 2)
                 df["progress_thread_waits"] = {True: "yield", False: "spin", None: "yield if oversubscribed"}[

@@ -123,6 +123,8 @@ def main():
                 return bf16_values(y) if bf16 else y.astype(cupy.int64 if dtype.startswith("int") else cupy.float64)
 
             for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "auto"]:
+                if algorithm == "one_shot" and x.nbytes > pm.small:
+                    continue
                 first = pm.allreduce(x, algorithm, bf16=bf16)
                 again = pm.allreduce(x, algorithm, bf16=bf16)
                 verdict(f"{algorithm} {dtype} n={count}", value(first), want, scale, tolerances[dtype])

@@ -19,7 +19,7 @@ from tplab.comm.peer_memory import PeerMemory  # noqa: E402
 
 P = COMM.size
 NCCL = nccl_world()
-PEERS = PeerMemory(COMM, 1 << 22)
+PEERS = PeerMemory(COMM, 1 << 24)  # one_shot: up to 8 MiB
 CE = CopyEngineAllreduce(COMM, 1 << 22)
 TOLERANCE = {"int32": 0, "int64": 0, "float16": 2e-3 * P, "bfloat16": 1e-2 * P, "float32": 1e-6 * P, "float64": 1e-14 * P}
 
@@ -116,7 +116,7 @@ def test_replayed_from_a_cuda_graph(algorithm):
 
 def test_bad_arguments_raise_on_every_rank():
     with pytest.raises(ValueError, match="do not fit"):
-        PEERS.allreduce(cupy.zeros((1 << 22) // 4 + 1, dtype="float32"))
+        PEERS.allreduce(cupy.zeros((1 << 24) // 4 + 1, dtype="float32"))
     with pytest.raises(ValueError, match="unknown algorithm"):
         PEERS.allreduce(cupy.zeros(4, dtype="float32"), "three_shot")
     if P > 1:

@@ -40,8 +40,10 @@ class CopyEngineAllreduce:
         import cupy
 
         self.mpi, self.rank, self.size = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.half = -(-int(max_bytes) // (PACK * LINE_PACKS)) * PACK * LINE_PACKS
+        line = PACK * LINE_PACKS * self.size                 # p blocks of whole cache lines fit a half
+        self.half = -(-int(max_bytes) // line) * line
         self.peers = PeerMemory(mpi_comm, 2 * self.half)
+        self.stream_barriers = StreamBarriers(self.peers)
         self.copy_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(max(self.size - 1, 0))]
         self.staged = None
         self.calls = 0
@@ -69,7 +71,7 @@ class CopyEngineAllreduce:
             return min(q * block, nbytes), min((q + 1) * block, nbytes)
 
         self._memcpy(self._pointer(r, offset), x.data.ptr, nbytes, stream)     # x -> my shared buffer
-        self.peers.queue_barrier()                                             # every input is in place
+        self.stream_barriers.queue(stream)                                     # every input is in place
         start, end = span(r)
         if end > start:
             if self.staged is None or self.staged.nbytes < (p - 1) * block:
@@ -81,7 +83,7 @@ class CopyEngineAllreduce:
             blocks = max(1, min(self.peers.max_blocks, -(-mine_packs // threads)))
             kernel(f"sum_staged<{type_name}>")((blocks,), (threads,), (
                 self.staged, np.int64(block_packs), mine, np.int32(r), np.int32(p), np.int64(mine_packs)))
-        self.peers.queue_barrier()                                             # every block is summed
+        self.stream_barriers.queue(stream)                                     # every block is summed
         self._from_peers(stream, lambda q: (x.data.ptr + span(q)[0], self._pointer(q, offset) + span(q)[0],
                                             span(q)[1] - span(q)[0]), include_mine=True)
 
@@ -145,3 +147,49 @@ class CopyEngineAllreduce:
 
     def close(self) -> None:
         self.peers.close()
+
+
+class StreamBarriers:
+    """A barrier with every peer queued on a stream *without any kernel*: stream memory operations, which
+    the GPU's front end executes, not its SMs. Each rank writes the barrier's number into its slot of every
+    peer's flags (cuStreamWriteValue32: after all earlier work of the stream, with a system-wide memory
+    fence first), then the stream waits until each peer has written it here (cuStreamWaitValue32, >=).
+    A GEMM that holds every SM cannot delay it, as it delays a barrier kernel waiting for a free SM.
+    Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing."""
+
+    def __init__(self, peers: PeerMemory):
+        from tplab.comm.peer_memory import MAX_RANKS, STREAM_SLOT
+
+        self.peers, self.count = peers, 0
+        offset = STREAM_SLOT * MAX_RANKS * 4
+        self.remote = [f + offset + peers.rank * 4 for f in peers._flags]    # my slot at each peer's
+        self.local = [peers._flags[peers.rank] + offset + q * 4 for q in range(peers.size)]  # theirs here
+        try:
+            from cuda.bindings import driver
+
+            self.driver = driver
+        except ImportError:
+            self.driver = None
+        self.kind = "stream memory operations" if self.driver else "flag_barrier kernel"
+
+    def queue(self, stream) -> None:
+        if self.driver is None:
+            with stream:
+                self.peers.queue_barrier()
+            return
+        cu, self.count = self.driver, self.count + 1
+        handle = cu.CUstream(stream.ptr)
+        for q in range(self.peers.size):
+            if q != self.peers.rank:
+                _check(cu.cuStreamWriteValue32(handle, cu.CUdeviceptr(self.remote[q]), self.count,
+                                               cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
+        for q in range(self.peers.size):
+            if q != self.peers.rank:
+                _check(cu.cuStreamWaitValue32(handle, cu.CUdeviceptr(self.local[q]), self.count,
+                                              cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+
+
+def _check(result) -> None:
+    error = result[0] if isinstance(result, tuple) else result
+    if int(error) != 0:
+        raise RuntimeError(f"CUDA driver call failed: {error}")

@@ -38,6 +38,7 @@ SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of
 MAX_RANKS = 8               # as in peer_allreduce.cu
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
+STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 THREADS = 512
 PACK = 16                   # bytes per vector load/store
 LINE_PACKS = 8              # chunks are whole 128-byte cache lines
@@ -72,9 +73,11 @@ def _type_name(dtype) -> str:
 
 class PeerMemory:
     """Shared buffers and flags of ``max_bytes`` per rank, mapped by every rank of ``mpi_comm`` (one node,
-    one GPU per process, at most 8 ranks). Collective to build and to close."""
+    one GPU per process, at most 8 ranks). Collective to build and to close. ``blocks`` caps the kernels'
+    grid (default: one block per SM), leaving SMs to work that should overlap (like NCCL_MAX_NCHANNELS).
+    All calls of one PeerMemory must go to one stream at a time (its flags count calls in order)."""
 
-    def __init__(self, mpi_comm, max_bytes: int = 64 << 20):
+    def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, blocks: int | None = None):
         import cupy
 
         rt = cupy.cuda.runtime
@@ -88,7 +91,8 @@ class PeerMemory:
         if self.size > MAX_RANKS:
             raise ValueError(f"PeerMemory handles at most {MAX_RANKS} ranks, not {self.size}")
         self.device = cupy.cuda.Device().id
-        self.max_blocks = min(BARRIER_SLOT, rt.getDeviceProperties(self.device)["multiProcessorCount"])
+        multiprocessors = rt.getDeviceProperties(self.device)["multiProcessorCount"]
+        self.max_blocks = min(STREAM_SLOT, multiprocessors, blocks or multiprocessors)  # fewer: SMs left over
         line = PACK * LINE_PACKS * self.size
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
@@ -108,7 +112,7 @@ class PeerMemory:
                 self._opened += pointers
             data.append(pointers[0])
             flags.append(pointers[1])
-        self._data = data
+        self._data, self._flags = data, flags
         self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
         self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
         self.table = list(DEFAULT_TABLE)                      # (bytes per rank up to, algorithm) for "auto"

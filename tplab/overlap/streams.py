@@ -39,7 +39,9 @@ def side_stream(device=None):
 
     device = torch.cuda.current_device() if device is None else device
     if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device=device)
+        # High priority: when an SM frees up, the block scheduler starts this stream's blocks (a reduction,
+        # a barrier kernel) before the next blocks of the GEMMs on the default-priority compute stream.
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
     return _side_streams[device]
 
 
