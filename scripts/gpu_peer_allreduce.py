@@ -8,11 +8,12 @@ Implementations (tplab.comm.peer_memory, tplab.comm.copy_engine; NCCL through Cu
     one_shot        peer memory, flags in GPU memory, one kernel: every rank reads all p buffers
     two_shot        the same, reduce-scatter by pushing chunks to their owners, allgather by pulling
     two_shot_pull   the same, both rounds by reading peers (the input copied into the shared buffer first)
-    ring            the same, read-based ring: 2(p-1) steps with the left neighbour, flag-synchronised
+    ring            the same, the textbook ring: 2(p-1) steps, each writing into the right neighbour
+    ring_pull       the same ring reading from the left neighbour (its own chunk copied in first)
     copy_engine     two-shot whose bytes move by the GPUs' copy engines (no SMs), flags between rounds
     ring/nccl       tplab's Python ring over NCCL send/recv (tplab.comm.nccl), for reference
     input=registered: the input already lies in the rank's shared buffer (nothing copied in; in place;
-                    two_shot then runs as two_shot_pull)
+                    two_shot and ring then run as two_shot_pull and ring_pull)
 
 1. Correctness against NCCL (float64 reference): int32, int64, float16, bfloat16, float32, float64; counts
    0, 1, 7, p+1, 1023, 4101, 65537, 2^20+3; a misaligned view; every call twice (buffer reuse); the result
@@ -122,7 +123,7 @@ def main():
             def value(y):
                 return bf16_values(y) if bf16 else y.astype(cupy.int64 if dtype.startswith("int") else cupy.float64)
 
-            for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "auto"]:
+            for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "auto"]:
                 if algorithm == "one_shot" and x.nbytes > pm.small:
                     continue
                 first = pm.allreduce(x, algorithm, bf16=bf16)
@@ -143,13 +144,13 @@ def main():
                 ce.allreduce_(y, "bf16_bits")
                 verdict(f"copy_engine {dtype} n={count}", value(y), want, scale, tolerances[dtype])
     base = cupy.arange(4097, dtype=cupy.float32) + R
-    for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:  # a view 4 bytes into its allocation
+    for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:  # a view 4 bytes into its allocation
         got = pm.allreduce(base[1:], algorithm)
         want = nccl.builtin_allreduce(base[1:].astype(cupy.float64))
         verdict(f"{algorithm} misaligned view", got.astype(cupy.float64), want, cupy.abs(want), 1e-6 * P)
     try:                                                             # CUDA graphs: 10 all-reduces captured
         stream = cupy.cuda.Stream(non_blocking=True)
-        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:
+        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
             x = cupy.asarray(np.random.default_rng(R).standard_normal(1 << 14).astype(np.float32))
             out = cupy.zeros_like(x)
             run = pm.allreduce_init(x, out, algorithm)
@@ -208,14 +209,14 @@ def main():
         out = cupy.empty_like(x)
         iters = 20 if size <= (1 << 20) else 10 if size <= (16 << 20) else 5
         runs = {("nccl", "copied"): lambda: nccl_allreduce(x, out)}
-        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring"]:
+        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
             if algorithm == "one_shot" and size > pm.small:
                 continue                                 # reads (p-1)·n: pointless this large
             runs[(algorithm, "copied")] = pm.allreduce_init(x, out, algorithm)
             if algorithm in ("two_shot", "ring"):
                 buf = pm.buffer(n, cupy.float32)
                 buf.fill(1)
-                runs[("two_shot_pull" if algorithm == "two_shot" else algorithm, "registered")] = \
+                runs[(algorithm + "_pull", "registered")] = \
                     pm.allreduce_init(buf, buf, algorithm)
         if size <= (1 << 20):                            # the plain call: argument handling each time
             runs[("one_shot", "copied, allreduce() call")] = lambda: pm.allreduce(x, "one_shot", out, check=False)

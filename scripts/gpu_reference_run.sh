@@ -7,8 +7,12 @@
 #
 # Stages (each under its own time limit, so one failure does not cost the others):
 #   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
-#   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7)
+#   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7): NCCL
+#                (torch.distributed), tplab's copy-engine all-reduce and its peer-memory two-shot
 #   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
+#   peer         tests/gpu at p = 4, 3, 2, then scripts/gpu_peer_allreduce.py at p = 4 and 2: the flag-
+#                synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6: P1, P2)
+#   sequence4    scripts/gpu_sequence_parallel.py at p = 4 only, strong scaling (P4; p = 1 is timed inside)
 #   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
 #   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
 #   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
@@ -37,8 +41,17 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     done
     wait; echo "train: done"; tail -n 2 "$R"/log_train_*.txt ;;
   overlap)
-    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap"
-    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,mlp ;;
+    paths="torch.distributed,tplab copy engine,tplab peer"
+    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap" --layers block,mlp --paths "$paths"
+    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block --paths "$paths" ;;
+  peer)
+    for p in 4 3 2; do
+      stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu
+    done
+    stage peer4 200 $MPI -n 4 python3 scripts/gpu_peer_allreduce.py "$R/peer"
+    stage peer2 150 $MPI -n 2 python3 scripts/gpu_peer_allreduce.py "$R/peer" ;;
+  sequence4)
+    stage sequence_p4 300 $MPI -n 4 python3 scripts/gpu_sequence_parallel.py "$R/sequence" --modes strong --schemes allgather_kv,ulysses,ring ;;
   collectives)
     stage collectives4 150 $MPI -n 4 python3 scripts/gpu_collectives.py --out "$R/coll4" --time-limit 110 --budget 0.2
     stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check

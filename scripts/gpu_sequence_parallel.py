@@ -15,6 +15,8 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     staged_mpi    the same with the MPI library's own MPI_Allgatherv on the host copies
     direct_ring   tplab's ring all-gather over tplab.comm.nccl (NCCL send/recv, GPU to GPU over NVLink)
     direct_nccl   NCCL's own all-gather (ncclAllGather) through the same communicator: the vendor
+    direct_peer   tplab's peer-memory all-gather (tplab.comm.peer_memory: CUDA IPC, flags in GPU memory,
+                  every peer read at once in one kernel)
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Timing: CUDA events around each forward
 (they count the time the GPU waits for the host: copies and host MPI), --warmup untimed calls, the median of
@@ -130,7 +132,14 @@ def torch_distributed_allgather(host, device):
     return vendor_allgather
 
 
-def paths_here(host, nccl, nccl_problem, schemes, device):
+def peer_gather(peers):
+    """tplab.comm.peer_memory's all-gather as a ``gather`` of tplab.sequence: (m, ...) -> (p·m, ...)."""
+    def gather(x, comm):
+        return peers.allgather_torch(x)
+    return gather
+
+
+def paths_here(host, nccl, nccl_problem, schemes, device, peers=None):
     """(name, transport description, communicator, scheme options, schemes it runs, whether tplab's counters
     see its bytes: a library's own collective does not go through them)."""
     staged = "GPU->host copy (tensor.cpu()), {} on host memory over MPI, host->GPU copy"
@@ -144,6 +153,9 @@ def paths_here(host, nccl, nccl_problem, schemes, device):
                    {"algorithm": "ring"}, set(schemes), True),
                   ("direct_nccl", "ncclAllGather through tplab.comm.nccl (the vendor's collective)", nccl,
                    {"algorithm": "builtin"}, {"allgather_kv"}, False)]
+        if peers is not None:
+            paths += [("direct_peer", "tplab peer-memory all-gather (CUDA IPC, flags in GPU memory, one kernel)",
+                       nccl, {"gather": peer_gather(peers)}, {"allgather_kv"}, False)]
     elif device == "cpu":  # the dry run walks the direct path's code with host MPI standing in for NCCL
         paths += [("direct_ring", "tplab ring over host MPI (CPU dry run)", host, {"algorithm": "ring"}, set(schemes),
                    True)]
@@ -289,7 +301,16 @@ def main():
     host = world()
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     nccl, problem = tplab_nccl(host) if args.device == "cuda" else (None, "CPU dry run")
-    paths = paths_here(host, nccl, problem, args.schemes, args.device)
+    peers = None
+    if nccl is not None and host.size > 1:
+        try:                                          # the largest K or V shard: weak scaling, float32
+            from tplab.comm.peer_memory import PeerMemory
+
+            peers = PeerMemory(host.mpi if hasattr(host, "mpi") else MPI.COMM_WORLD,
+                               args.batch * args.seq * args.hidden * 4)
+        except Exception as e:  # noqa: BLE001 - reported; the other paths still run
+            log(f"  direct_peer skipped: {type(e).__name__}: {e}")
+    paths = paths_here(host, nccl, problem, args.schemes, args.device, peers)
     vendor = next((path[3]["gather"] for path in paths if path[0] == "direct_vendor"), None)
     machine = machine_description(host, args.device)
     log(f"p = {host.size}: {machine}\n  direct path: {'tplab.comm.nccl' if nccl else 'torch.distributed (' + problem + ')'}")

@@ -62,3 +62,18 @@ def test_ops():
     assert set(OPS) == {"sum", "prod", "max", "min"}
     with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
         get_op("mean")
+
+
+def test_peer_memory_algorithms_need_a_gpu_communicator_with_peer_memory():
+    from tplab.comm import world
+
+    with pytest.raises(tplab.collectives.CollectiveArgumentError, match="attach_peer_memory"):
+        tplab.allreduce(np.ones(4), world(), algorithm="peer_two_shot")
+
+
+def test_peer_memory_kernels_ship_with_the_package():
+    from importlib.resources import files
+
+    source = files("tplab.comm").joinpath("peer_allreduce.cu").read_text()
+    for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_staged"]:
+        assert f" {kernel}(" in source

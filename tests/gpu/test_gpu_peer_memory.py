@@ -49,7 +49,7 @@ def close(got, want, scale, dtype) -> bool:
     return bool((cupy.abs(got - want) <= TOLERANCE[dtype] * scale).all())
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "auto", "copy_engine"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "auto", "copy_engine"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("count", [0, 1, 7, P + 1, 1023, 65537])
 def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
@@ -71,7 +71,7 @@ def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
     agree(same_on_every_rank(cupy.asnumpy(results[0]).tobytes()), "ranks differ")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"])
 def test_in_place_on_the_shared_buffer(algorithm):
     x, values = inputs("float32", 10007)
     buf = PEERS.buffer(x.size, "float32")
@@ -86,7 +86,7 @@ def test_algorithms_in_any_order():
     the end barriers of the others): a random sequence of all of them, each checked."""
     rng = np.random.default_rng(7)  # the same sequence on every rank
     for step in range(40):
-        algorithm = ["one_shot", "two_shot", "two_shot_pull", "ring"][rng.integers(4)]
+        algorithm = ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"][rng.integers(5)]
         count = int(rng.choice([5, 1000, 40000]))
         x, values = inputs("float32", count)
         got = PEERS.allreduce(x + step, algorithm)
@@ -95,7 +95,7 @@ def test_algorithms_in_any_order():
               f"step {step}: {algorithm} n={count}")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"])
 def test_replayed_from_a_cuda_graph(algorithm):
     x, values = inputs("float32", 4096)
     out = cupy.zeros_like(x)
@@ -124,3 +124,39 @@ def test_bad_arguments_raise_on_every_rank():
             PEERS.allreduce(cupy.zeros(4 + COMM.rank, dtype="float32"))
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16", "float64"])
+@pytest.mark.parametrize("count", [0, 1, 5, 4096, 10001])
+def test_allgather_equals_nccl(dtype, count):
+    x = (cupy.arange(count) * (COMM.rank + 1) + 7 * COMM.rank).astype(dtype)
+    results = [PEERS.allgather(x) for _ in range(2)]
+    want = NCCL.builtin_allgather(x).ravel()
+    agree(all(r.size == P * count and bool((r == want).all()) for r in results), f"allgather {dtype} n={count}")
+
+
+def test_allgather_of_torch_tensors_along_dim_0():
+    import torch
+
+    x = torch.randn(3, 5, 7, device="cuda").to(torch.bfloat16) + COMM.rank
+    got = PEERS.allgather_torch(x)
+    parts = COMM.allgather(x.float().cpu().numpy())
+    agree(tuple(got.shape) == (3 * P, 5, 7) and np.array_equal(got.float().cpu().numpy(), np.concatenate(parts)),
+          "allgather_torch")
+
+
+def test_tplab_allreduce_picks_peer_kernels_when_attached():
+    """tplab.allreduce on a GPU communicator with peer memory: "auto" runs the kernel the measured table
+    names for the size; "peer_*" names one; integers come out exact either way."""
+    import tplab
+
+    NCCL.attach_peer_memory(1 << 22)
+    try:
+        for count in [3, 1000, 300000]:
+            x = cupy.arange(count, dtype=cupy.int32) + COMM.rank
+            want = NCCL.builtin_allreduce(x)
+            for algorithm in ["auto", "peer_one_shot", "peer_two_shot", "peer_ring"]:
+                agree(bool((tplab.allreduce(x, NCCL, algorithm=algorithm) == want).all()), f"{algorithm} n={count}")
+    finally:
+        NCCL.peers.close()
+        NCCL.peers = None  # nccl_world() is shared with the other GPU test modules

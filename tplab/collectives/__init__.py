@@ -44,6 +44,9 @@ ALGORITHMS = {
     "broadcast": ("binomial", "builtin", "auto"),
     "reduce": ("binomial", "builtin", "auto"),
 }
+# GPU all-reduces by peer-memory kernels (tplab.comm.peer_memory), for a communicator with peer memory
+# attached; not algorithms over send/recv, so not in ALGORITHMS (whose entries run on every transport).
+PEER_ALLREDUCE = ("peer_one_shot", "peer_two_shot", "peer_ring")
 
 
 # ---- numpy or CuPy in, the caller's type out (tplab.arrays) -------------------------------------------------
@@ -120,13 +123,31 @@ def _resolve(collective, algorithm, nbytes, count, p):
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
     arr, back, bf16 = as_array(x)
-    agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"],
+    agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"] + PEER_ALLREDUCE,
                        op=op, check=check)
+    peers = getattr(comm, "peers", None)  # GPU peer memory (NcclComm.attach_peer_memory): its own kernels
+    gpu = type(arr) is not np.ndarray
+    if algorithm == "auto" and gpu and peers is not None and op == "sum" and arr.nbytes <= peers.nbytes:
+        algorithm = "peer_" + peers.choose(arr.nbytes).removesuffix("_pull")  # by size, from measurements
+    if algorithm.startswith("peer_"):
+        return _peer_allreduce(x, arr, back, bf16, comm, op, algorithm)
     algorithm = _resolve("allreduce", algorithm, arr.nbytes, arr.size, comm.size)
-    if type(arr) is np.ndarray:
+    if not gpu:
         return _allreduce(arr, back, comm, get_op(op), op, algorithm)
     with _on_the_gpu(x, arr, comm):
         return _allreduce(arr, back, comm, *_ops(op, bf16), algorithm)
+
+
+def _peer_allreduce(x, arr, back, bf16, comm, op, algorithm):
+    """The peer-memory kernels (tplab.comm.peer_memory): one kernel per all-reduce, flags in GPU memory."""
+    peers = getattr(comm, "peers", None)
+    if peers is None or type(arr) is np.ndarray or op != "sum":
+        raise CollectiveArgumentError(
+            f"allreduce: {algorithm} sums GPU arrays through peer memory: use a GPU communicator with it "
+            "attached (comm = tplab.comm.nccl_world(); comm.attach_peer_memory(max_bytes)) and op='sum'")
+    with _on_the_gpu(x, arr, comm):
+        out = peers.allreduce(arr.reshape(-1), algorithm.removeprefix("peer_"), bf16=bf16, check=False)
+    return back(out.reshape(arr.shape))
 
 
 def _allreduce(arr, back, comm, reduce_op, builtin_op, algorithm):

@@ -126,6 +126,15 @@ class NcclComm(Communicator):
         self._ops = {"sum": self._nccl.NCCL_SUM, "prod": self._nccl.NCCL_PROD,
                      "max": self._nccl.NCCL_MAX, "min": self._nccl.NCCL_MIN}
 
+    def attach_peer_memory(self, max_bytes: int = 64 << 20, **options):
+        """Give this communicator peer memory (tplab.comm.peer_memory.PeerMemory; one node): then
+        ``tplab.allreduce(x, comm)`` sums GPU arrays of up to ``max_bytes`` with one-shot / two-shot / ring
+        kernels chosen by size ("auto"), or the one named by ``algorithm="peer_one_shot"`` & co. Collective."""
+        from tplab.comm.peer_memory import PeerMemory
+
+        self.peers = PeerMemory(self.mpi, max_bytes, **options)
+        return self.peers
+
     def with_timeout(self, timeout: float | None) -> "NcclComm":
         twin = NcclComm(self.mpi.Dup(), timeout=timeout, ranks_per_node=self.ranks_per_node)
         if self.ranks_per_node is None and self._node_ids is not None:

@@ -231,15 +231,15 @@ __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, un
     barrier(flags, epochs, rank, all);
 }
 
-// ---- ring: reduce-scatter then allgather with the left neighbour only, p-1 steps each ------------------
-// Read-based ring: at reduce-scatter step s rank r reads the left neighbour's partial sum of chunk
+// ---- ring_pull: reduce-scatter then allgather with the left neighbour only, p-1 steps each -------------
+// Read-based ring (also for inputs already in the shared buffer): at reduce-scatter step s rank r reads the left neighbour's partial sum of chunk
 // c = r-s-1 and adds its own x[c]; at allgather step s it copies the finished chunk r-s from the left.
 // Neighbour barriers (left and right) after each step keep every rank within one step of its neighbours,
 // so nobody overwrites a chunk the right neighbour has not read yet. Each chunk is summed once, in the
 // order x[c+1], x[c+2], ..., x[c] (rounded to T after each step, like NCCL's ring).
 template <typename T>
-__global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                     unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+__global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                          unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
     uint4* mine = bufs[rank];
@@ -284,6 +284,92 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
         barrier(flags, epochs, rank, neighbours);
     }
 #undef CHUNK_RANGE
+}
+
+// ---- ring: the textbook ring, pushing: every step writes into the right neighbour's buffer -------------
+// Rank r's buffer holds one slot per chunk (slot c at c·chunk, like x). The right neighbour is R.
+//   reduce-scatter, step s = 0 .. p-2:  c = r - s
+//       v = x[c] (s = 0)  or  slot c + x[c];  R's slot c = v;  barrier(neighbours)
+//   last sum:  c = r + 1:  v = slot c + x[c]  -- chunk c is complete here;  out[c] = v
+//   allgather, step t = 0 .. p-2:  push v to R's slot c;  barrier(neighbours);  c = c - 1;  v = slot c;  out[c] = v
+//   barrier(neighbours)   (before the next call pushes into R's slots, R has read them)
+// Like NCCL's ring, the bytes cross NVLink as writes (no round trip), and nothing is copied in first.
+// Chunk c is summed in the order x[c], x[c+1], ..., x[c-1], once, so every rank gets the same bits.
+template <typename T>
+__global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                     unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+    const int left = (rank + p - 1) % p, right = (rank + 1) % p;
+    const unsigned int neighbours = (1u << left) | (1u << right);
+    const uint4* slot = bufs[rank];
+    uint4* to_right = bufs[right];
+#define CHUNK_RANGE(c, f, l) const long long f = (long long)(c) * chunk, l = lmin(f + chunk, packs)
+    for (int s = 0; s < p - 1; s++) {                            // reduce-scatter: add, pass on
+        const int c = (rank - s + p) % p;
+        CHUNK_RANGE(c, f, l);
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const bool two = j < l;
+            uint4 a = x[i], b;
+            if (two) b = x[j];
+            if (s > 0) {
+                a = add_packs<T>(load_peer(slot + i), a);       // what the left sent, then mine
+                if (two) b = add_packs<T>(load_peer(slot + j), b);
+            }
+            to_right[i] = a;
+            if (two) to_right[j] = b;
+        }
+        barrier(flags, epochs, rank, neighbours);
+    }
+    {   const int c = (rank + 1) % p;                            // the last addition: chunk r+1 complete
+        CHUNK_RANGE(c, f, l);
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const bool two = j < l;
+            const uint4 a = add_packs<T>(load_peer(slot + i), x[i]);
+            uint4 b;
+            if (two) b = add_packs<T>(load_peer(slot + j), x[j]);
+            out[i] = a;
+            if (p > 1) to_right[i] = a;                          // allgather step 0: pass it on
+            if (two) { out[j] = b; if (p > 1) to_right[j] = b; }
+        }
+        barrier(flags, epochs, rank, neighbours);
+    }
+    for (int t = 1; t < p; t++) {                                // allgather: take, pass on
+        const int c = (rank + 1 - t + p) % p;
+        CHUNK_RANGE(c, f, l);
+        const bool pass_on = (t < p - 1);                        // R still lacks it
+        FOR_MY_PACK_PAIRS(i, j, f, l) {
+            const bool two = j < l;
+            const uint4 a = load_peer(slot + i);
+            uint4 b;
+            if (two) b = load_peer(slot + j);
+            out[i] = a;
+            if (pass_on) to_right[i] = a;
+            if (two) { out[j] = b; if (pass_on) to_right[j] = b; }
+        }
+        barrier(flags, epochs, rank, neighbours);
+    }
+#undef CHUNK_RANGE
+}
+
+// ---- allgather: every rank's x, in rank order, on every rank (pulled from all peers at once) ------------
+//   mine = x;  out part r = x;  barrier(all);  for q != r: out part q = bufs[q];  barrier(all)
+extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                                     unsigned int* epochs, int rank, int p, long long packs) {
+    const unsigned int all = (1u << p) - 1;
+    uint4* mine = bufs[rank];
+    uint4* own_part = out + (long long)rank * packs;
+    FOR_MY_PACKS(i, 0, packs) { const uint4 v = x[i]; mine[i] = v; own_part[i] = v; }
+    barrier(flags, epochs, rank, all);
+    for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
+        const int q = (rank + step) % p;
+        const uint4* theirs = bufs[q];
+        uint4* part = out + (long long)q * packs;
+        FOR_MY_PACK_PAIRS(i, j, 0, packs) {
+            const uint4 a = load_peer(theirs + i);
+            if (j < packs) { const uint4 b = load_peer(theirs + j); part[j] = b; }
+            part[i] = a;
+        }
+    }
+    barrier(flags, epochs, rank, all);                      // nobody overwrites a buffer still being read
 }
 
 // ---- the reduction step of the copy-engine all-reduce (copy_engine.py) ----------------------------------

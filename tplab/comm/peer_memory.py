@@ -13,7 +13,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
     two_shot       2       2(p-1)/p·n: push the chunks to  large messages on a switch (NVSwitch): every
                            their owners, pull the results  link busy at once
     two_shot_pull  2       the same, both rounds pulled    inputs already in the shared buffer (registered)
-    ring           2(p-1)  2(p-1)/p·n, left neighbour      the textbook ring, steps synchronised by flags
+    ring           2(p-1)  2(p-1)/p·n, written to the      the textbook ring, steps synchronised by flags
+                           right neighbour (push)
+    ring_pull      2(p-1)  the same, read from the left    inputs already in the shared buffer
 
 Every algorithm sums in a fixed order and each result element is computed on exactly one rank (one_shot:
 on every rank, in rank order), so all ranks hold bitwise the same result. 16-bit floats are summed in
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring")
+ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 MAX_RANKS = 8               # as in peer_allreduce.cu
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
@@ -58,8 +60,8 @@ def kernel(name: str):
 def _module():
     import cupy
 
-    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "sum_staged")
-    names = ["flag_barrier"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
+    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_staged")
+    names = ["flag_barrier", "allgather"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     source = Path(__file__).with_name("peer_allreduce.cu").read_text()
     return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
 
@@ -188,8 +190,8 @@ class PeerMemory:
 
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
-        if algorithm == "two_shot" and self._is_buffer(x):
-            algorithm = "two_shot_pull"           # the input lies where two_shot's slots would: pull it
+        if algorithm in ("two_shot", "ring") and self._is_buffer(x):
+            algorithm += "_pull"                  # the input lies where the pushed slots would: pull it
         if x.size == 0:
             return lambda: None
         if self.size == 1:
@@ -208,7 +210,7 @@ class PeerMemory:
         args = tuple(args)
         launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else _type_name(x.dtype)}>")
         if source is x and target is out:
-            return lambda: launch((blocks,), (THREADS,), args)
+            return _fast_launcher(launch, blocks, THREADS, args) or (lambda: launch((blocks,), (THREADS,), args))
 
         def padded():                                  # odd sizes or misaligned views: through copies
             if source is not x:
@@ -231,6 +233,58 @@ class PeerMemory:
         y, _ = torch_as_cupy(out)
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.allreduce(x, algorithm, y, bf16=type_name == "bf16_bits", check=check)
+        return out
+
+    # ---- all-gather ----------------------------------------------------------------------------------------
+    def allgather(self, x, out=None, *, check: bool = True):
+        """Every rank's ``x`` (contiguous CuPy arrays of one size and dtype), concatenated in rank order:
+        ``out`` has p·x.size elements. One kernel: copy x into the shared buffer, one barrier, read all
+        peers at once, one barrier. Collective, queued on the current stream."""
+        import cupy
+
+        problem = ""
+        if x.nbytes > self.nbytes:
+            problem = f"{x.nbytes} bytes do not fit the {self.nbytes}-byte peer buffers"
+        elif not x.flags.c_contiguous:
+            problem = "peer all-gather needs a contiguous array"
+        elif out is not None and (out.size != self.size * x.size or out.dtype != x.dtype or not out.flags.c_contiguous):
+            problem = f"out must be {self.size * x.size} contiguous {x.dtype}, not {out.size} {out.dtype}"
+        mine = (x.size, str(x.dtype))
+        everyone = self.mpi.allgather((mine, problem)) if check else [(mine, problem)]
+        problems = [f"rank {q}: {pr}" for q, (_, pr) in enumerate(everyone) if pr]
+        if problems or any(e != mine for e, _ in everyone):
+            raise ValueError("peer all-gather: " + ("; ".join(problems) or f"sizes differ across ranks: {everyone}"))
+        out = cupy.empty(self.size * x.size, dtype=x.dtype) if out is None else out
+        if x.size == 0:
+            return out
+        if self.size == 1:
+            out.ravel()[...] = x.ravel()
+            return out
+        source = _whole_packs(x)
+        packs = source.nbytes // PACK
+        direct = source is x and out.data.ptr % PACK == 0
+        target = out if direct else cupy.empty(self.size * packs * PACK, dtype=cupy.uint8)
+        blocks = max(1, min(self.max_blocks, -(-packs // THREADS)))
+        kernel("allgather")((blocks,), (THREADS,), (source, target, self.data_pointers, self.flag_pointers,
+                                                     self.epochs, np.int32(self.rank), np.int32(self.size),
+                                                     np.int64(packs)))
+        if not direct:                                     # parts padded to whole packs: close the gaps
+            flat = out.ravel().view(cupy.uint8)
+            for q in range(self.size):
+                flat[q * x.nbytes:(q + 1) * x.nbytes] = target[q * packs * PACK: q * packs * PACK + x.nbytes]
+        return out
+
+    def allgather_torch(self, tensor, *, check: bool = False):
+        """Every rank's ``tensor`` concatenated along dim 0 (torch CUDA tensors; any dtype), on torch's
+        current stream: the ``gather`` of tplab.sequence (seed 001's all-gather of K and V)."""
+        import cupy
+        import torch
+
+        tensor = tensor.contiguous()
+        out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        x = _raw_bytes(tensor)
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self.allgather(x, _raw_bytes(out), check=check)
         return out
 
     # ---- the communicator interface of tplab's layers (pass a PeerMemory as their ``comm``) ---------------
@@ -309,6 +363,15 @@ def torch_as_cupy(t):
     return cupy.ndarray((t.numel(),), dtype, cupy.cuda.MemoryPointer(memory, 0)), type_name
 
 
+def _raw_bytes(t):
+    """A contiguous torch CUDA tensor's memory as a CuPy uint8 array (no copy)."""
+    import cupy
+
+    nbytes = t.numel() * t.element_size()
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
+    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+
 def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     """What is wrong with these arguments on this rank ('' if nothing)."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -332,6 +395,45 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     if one_shot and x.nbytes > pm.small:
         return f"one_shot handles up to {pm.small} bytes, not {x.nbytes}: use two_shot or ring"
     return ""
+
+
+@lru_cache(maxsize=None)
+def _libcuda():
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    return lib
+
+
+def _fast_launcher(function, blocks: int, threads: int, args):
+    """A launch of ``function`` with ``args`` packed once, straight through the driver (cuLaunchKernel via
+    ctypes): a few microseconds less host time per call than CuPy's general launcher, which is most of
+    one_shot's eager latency. None where libcuda cannot be loaded."""
+    import ctypes
+
+    import cupy
+
+    lib = _libcuda()
+    if lib is None:
+        return None
+    kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
+    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else kinds[type(a)](int(a)) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    handle, get_stream = ctypes.c_void_p(function.ptr), cupy.cuda.get_current_stream
+    params_pointer = ctypes.cast(params, ctypes.c_void_p)
+
+    def launch():
+        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, 0, get_stream().ptr, params_pointer, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+
+    launch.keep_alive = (values, params, args)   # the packed arguments must outlive the launcher
+    return launch
 
 
 def _whole_packs(a):
