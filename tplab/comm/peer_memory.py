@@ -424,7 +424,7 @@ def _fast_launcher(function, blocks: int, threads: int, args):
     kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
     values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else kinds[type(a)](int(a)) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    handle, get_stream = ctypes.c_void_p(function.ptr), cupy.cuda.get_current_stream
+    handle, get_stream = ctypes.c_void_p(function.kernel.ptr), cupy.cuda.get_current_stream
     params_pointer = ctypes.cast(params, ctypes.c_void_p)
 
     def launch():
