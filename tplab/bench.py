@@ -35,7 +35,8 @@ import numpy as np
 
 import tplab
 from tplab.comm import world
-from tplab.devices import communicator, to_device, to_host
+from tplab.arrays import array_module
+from tplab.devices import communicator, to_device
 
 BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors (shared/REFERENCE.md s.3)
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -76,15 +77,15 @@ def count_wrong(collective, algorithm, x, comm, op) -> int:
     max/min, beyond the rounding bound of p combinations for float sums and products."""
     got = _call(collective, x, comm, algorithm, op, check=True)
     want = _builtin(collective, x, comm, op)
-    got, want = (None if a is None else to_host(a) for a in (got, want))  # GPU results: compared on the host
+    xp = array_module(x)  # numpy, or CuPy: GPU results are compared on the GPU (no copies of 256 MiB to the host)
     if got is None or want is None:  # reduce: only the root holds a result
         wrong = 0 if (got is None) == (want is None) else max(x.size, 1)
     elif got.dtype.kind in "iu" or op in ("max", "min") or collective in ("allgather", "broadcast"):
-        wrong = int(np.count_nonzero(got != want))
+        wrong = int(xp.count_nonzero(got != want))
     else:
         tolerance = 4 * comm.size * np.finfo(got.dtype).eps
-        scale = np.maximum(np.abs(want.astype(np.float64)), 1.0)
-        wrong = int(np.count_nonzero(np.abs(got.astype(np.float64) - want) > tolerance * scale))
+        scale = xp.maximum(xp.abs(want.astype(np.float64)), 1.0)
+        wrong = int(xp.count_nonzero(xp.abs(got.astype(np.float64) - want) > tolerance * scale))
     return sum(comm.allgather_object(wrong))
 
 
