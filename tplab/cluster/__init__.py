@@ -10,6 +10,8 @@ an exception that names the ranks, and ``restart()`` gets you going again.
     cluster.run(engine_rank)                 # [{'rank': 0, 'size': 4, ...}, {'rank': 1, ...}, ...]
     cluster.run_df(engine_rank)              # the same as a DataFrame, one row per rank
     cluster.activate()                       # then %%px cells run on every rank
+    cluster.resolve_device("auto")           # "gpu" when every engine has a GPU of its own, else "cpu"
+    cluster.bind_gpus()                      # each engine takes the GPU of its node-local rank (gpus.py)
     cluster.stop()
 
 From a terminal instead: ``ipcluster start -n 4 --engines=MPI --cluster-id=tplab``, then
