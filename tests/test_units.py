@@ -77,3 +77,10 @@ def test_peer_memory_kernels_ship_with_the_package():
     source = files("tplab.comm").joinpath("peer_allreduce.cu").read_text()
     for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_staged"]:
         assert f" {kernel}(" in source
+
+
+def test_bench_cli_refuses_peer_algorithms_without_gpu_peer_memory(capsys):
+    from tplab.cli import main
+
+    assert main(["bench", "allreduce", "-a", "peer_two_shot", "-b", "8", "-e", "8"]) == 2
+    assert "--peer-memory" in capsys.readouterr().err

@@ -4,6 +4,10 @@
     tplab demo --ranks 4 --out build start a local MPI cluster, execute the notebooks, summarise, stop
     mpiexec -n 4 tplab bench allreduce --algorithms ring,recursive_doubling,builtin -b 8 -e 64M -f 2
                                      time collectives (nccl-tests-like flags and columns)
+    mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 256M -b 1K -e 256M -f 4 \
+        -a builtin,ring,peer_one_shot,peer_two_shot,peer_ring,auto
+                                     the same on a GPU node: one rank per GPU, NCCL as the built-in, and
+                                     the peer-memory kernels (tplab.comm.peer_memory) next to it
 """
 
 from __future__ import annotations
@@ -52,16 +56,21 @@ def parse_size(text: str) -> int:
 def cmd_bench(args) -> int:
     import tplab
     from tplab.bench import sweep
-    from tplab.comm import world
+    from tplab.collectives import PEER_ALLREDUCE
+    from tplab.devices import communicator
 
-    comm = world()
-    algorithms = args.algorithms.split(",") if args.algorithms else \
-        [a for a in tplab.ALGORITHMS[args.collective] if a != "auto"]
-    unknown = [a for a in algorithms if a not in tplab.ALGORITHMS[args.collective]]
+    comm = communicator(args.device)            # host MPI, or NCCL on each rank's GPU
+    known = list(tplab.ALGORITHMS[args.collective])
+    if args.peer_memory and args.device == "gpu" and args.collective == "allreduce":
+        comm.attach_peer_memory(args.peer_memory)   # "auto" and peer_* then run the peer-memory kernels
+        known += list(PEER_ALLREDUCE)
+    algorithms = args.algorithms.split(",") if args.algorithms else [a for a in known if a != "auto"]
+    unknown = [a for a in algorithms if a not in known]
     if unknown:
         if comm.rank == 0:
-            print(f"tplab bench: unknown {args.collective} algorithms {unknown}; "
-                  f"choose from {list(tplab.ALGORITHMS[args.collective])}", file=sys.stderr)
+            hint = " (peer_* need --device gpu --peer-memory SIZE)" if any(a.startswith("peer_") for a in unknown) else ""
+            print(f"tplab bench: unknown {args.collective} algorithms {unknown}; choose from {known}{hint}",
+                  file=sys.stderr)
         return 2
     sizes, size = [], args.minbytes
     while size <= args.maxbytes:
@@ -69,7 +78,7 @@ def cmd_bench(args) -> int:
         size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
     rows = sweep(args.collective, algorithms, sizes, dtype=args.datatype, op=args.op, iters=args.iters,
                  warmup=args.warmup_iters, comm=comm, osu=args.osu, validate=args.check,
-                 csv_path=args.csv, extra={"machine": args.machine or ""}, progress=True)
+                 csv_path=args.csv, extra={"machine": args.machine or ""}, progress=True, device=args.device)
     if comm.rank == 0:
         print(format_table(rows, osu=args.osu))
     return 0 if all(int(r["wrong"]) <= 0 for r in rows) else 1
@@ -123,6 +132,11 @@ def main(argv=None) -> int:
     p.add_argument("--osu", action="store_true", help="OSU latency mode: average latency, OSU's iteration counts")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip validation (#wrong = -1)")
     p.add_argument("--machine", default=None, help="a description of the machine, stored in every row")
+    p.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                   help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")
+    p.add_argument("--peer-memory", type=parse_size, default=0,
+                   help="GPU all-reduce: attach peer memory of this size per rank (enables peer_one_shot, "
+                        "peer_two_shot, peer_ring, and makes auto pick among them by size)")
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

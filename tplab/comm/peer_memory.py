@@ -46,9 +46,10 @@ PACK = 16                   # bytes per vector load/store
 LINE_PACKS = 8              # chunks are whole 128-byte cache lines
 KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long",
                 "bfloat16": "bf16_bits", "float16": "f16_bits"}
-# What "auto" runs, by bytes per rank: (up to this size, algorithm), measured on 4x H200
-# (data/gpu_peer_allreduce_*.csv); PeerMemory.tune() measures it again on the machine at hand.
-DEFAULT_TABLE = ((256 << 10, "one_shot"), (1 << 62, "two_shot"))
+# What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
+# NVLink (data/gpu_peer_allreduce_4x-h100.csv: one_shot to 1 MiB, two_shot to 16 MiB, the ring beyond);
+# PeerMemory.tune() measures it again on the machine at hand (at p = 2 one_shot wins up to 4 MiB).
+DEFAULT_TABLE = ((1 << 20, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
 
 
 def kernel(name: str):
