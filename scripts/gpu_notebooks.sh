@@ -47,6 +47,15 @@ if ! "$VENV/bin/python" -c "import ipyparallel, papermill, nbclient, nbformat, i
   say "venv $VENV from $($PYTHON -V 2>&1) with the image's packages, plus $(ls .carry/wheels/*.whl 2>/dev/null | wc -l) carried wheels"
   # --without-pip: no ensurepip needed; the image's pip (seen through the system site) installs into the venv
   "$PYTHON" -m venv --system-site-packages --without-pip "$VENV" || exit 1
+  if ! "$VENV/bin/python" -c "import numpy, mpi4py, pip" 2>/dev/null; then  # $PYTHON is itself a venv's: name its site
+    "$PYTHON" -c "
+import importlib.util, os
+for name in ['pip', 'numpy', 'mpi4py', 'torch', 'cupy', 'pandas', 'matplotlib']:
+    spec = importlib.util.find_spec(name)
+    if spec and spec.origin:
+        print(os.path.dirname(os.path.dirname(spec.origin)))" | sort -u \
+      > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/image_site.pth"
+  fi
   "$VENV/bin/python" -m pip install --no-index --find-links .carry/wheels $NEEDED > "$R/log_pip.txt" 2>&1 \
     || { say "pip could not resolve from .carry/wheels (see log_pip.txt): installing every carried wheel as it is"
          "$VENV/bin/python" -m pip install --no-index --no-deps .carry/wheels/*.whl >> "$R/log_pip.txt" 2>&1; }
