@@ -73,6 +73,8 @@ for name in ["tplab", "numpy", "pandas", "matplotlib", "torch", "cupy", "mpi4py"
         print(f"{name:15} {getattr(module, '__version__', '?'):12} {module.__file__}")
     except Exception as e:  # noqa: BLE001
         print(f"{name:15} MISSING: {type(e).__name__}: {e}")
+import mpi4py
+mpi4py.rc.initialize = False  # (the library's name needs no MPI_Init: no singleton start here)
 from mpi4py import MPI
 print(MPI.Get_library_version().splitlines()[0])
 EOF
