@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,53 +39,11 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.models import GPT, GPTConfig, generate, parallelize  # noqa: E402
 from tplab.models.speed import time_forward, time_generation, timing_mode  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
-
-
-class TorchDistributedComm:
-    """Just what tplab's layers need, over torch.distributed's NCCL built-ins (the layers call the
-    ``tensor_*`` methods directly; ``algorithm`` is then ignored)."""
-
-    def __init__(self, device: torch.device):
-        import torch.distributed as dist
-
-        self.dist, self.rank, self.size = dist, WORLD.rank, WORLD.size
-        port = WORLD.bcast(_free_port() if WORLD.rank == 0 else None)
-        gpu = device.type == "cuda"
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.size, device_id=device if gpu else None)
-
-    def tensor_allreduce(self, x):
-        x = x.clone()
-        self.dist.all_reduce(x)
-        return x
-
-    def tensor_allgather(self, x):  # -> 1-D: rank 0's x, rank 1's, ...
-        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        self.dist.all_gather_into_tensor(out, x.reshape(-1))
-        return out
-
-    def tensor_reduce_scatter(self, x):  # -> 1-D: my block of the sum
-        out = torch.empty(x.numel() // self.size, dtype=x.dtype, device=x.device)
-        self.dist.reduce_scatter_tensor(out, x.reshape(-1))
-        return out
-
-    def barrier(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        WORLD.Barrier()
-
-    def allgather_object(self, obj):
-        return WORLD.allgather(obj)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bind_gpu() -> torch.device:

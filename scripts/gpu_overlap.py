@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import sys
 import time
 import warnings
@@ -63,6 +62,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear  # noqa: E402
 from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
 from tplab.overlap import progress_thread  # noqa: E402
@@ -70,37 +70,6 @@ from tplab.overlap import progress_thread  # noqa: E402
 WORLD = MPI.COMM_WORLD
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the GPU image's torch 2.11 has only these)
 warnings.filterwarnings("ignore", category=FutureWarning, message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
-
-
-class TorchDistComm:
-    """torch.distributed's collectives behind the interface tplab's layers use (tplab.layers.mappings): a
-    communicator with tensor_allreduce & co. is called as it is. Collectives run on the caller's current
-    CUDA stream (ProcessGroupNCCL orders its own stream after it, and it after the result)."""
-
-    def __init__(self):
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-
-    def tensor_allreduce(self, x):
-        dist.all_reduce(x)  # in place: the layers hand over a fresh partial product
-        return x
-
-    def tensor_allgather(self, x):
-        out = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.reshape(-1))
-        return out
-
-    def tensor_reduce_scatter(self, x):
-        out = torch.empty(x.numel() // self.size, dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.reshape(-1))
-        return out
-
-    def barrier(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        WORLD.Barrier()
-
-    def allgather_object(self, obj):
-        return WORLD.allgather(obj)
 
 
 class Block(nn.Module):
@@ -116,19 +85,6 @@ class Block(nn.Module):
     def forward(self, x, cache=None):
         x = x + self.attention(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
-
-
-def init_torch_distributed(backend, device):
-    """torch.distributed from MPI's rank and size; rank 0 picks a free port and tells the others."""
-    port = None
-    if WORLD.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(WORLD.bcast(port, root=0))
-    kw = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, rank=WORLD.rank, world_size=WORLD.size, **kw)
 
 
 def machine_name(device) -> str:
@@ -199,8 +155,7 @@ def main():
         local = WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         torch.cuda.set_device(local)
         device, dtype = torch.device("cuda", local), torch.bfloat16
-        init_torch_distributed("nccl", device)
-        paths = {"torch.distributed": TorchDistComm()}
+        paths = {"torch.distributed": TorchDistributedComm(device, in_place=True)}
         stem = f"overlap_gpu-{slug(torch.cuda.get_device_name(device))}-x{WORLD.size}_cdmc-{slug(connections.split()[0])}"
     else:
         from tplab.comm import world
@@ -208,8 +163,7 @@ def main():
         device, dtype = torch.device("cpu"), torch.float32
         paths = {"tplab MPI": world()}
         if "torch.distributed" in args.paths:  # gloo: a check of the GPU path's plumbing on CPU ranks
-            init_torch_distributed("gloo", device)
-            paths["torch.distributed"] = TorchDistComm()
+            paths["torch.distributed"] = TorchDistributedComm(device, in_place=True)
         stem = f"overlap_cpu-{slug(cpu_model())}-{os.cpu_count()}-core_{WORLD.size}-ranks_{slug(mpi_library())}"
     machine = machine_name(device)
     csv = out / f"{stem}.csv"
