@@ -180,13 +180,14 @@ class PeerMemory:
             raise ValueError(f"peer all-reduce: {problem}")
         if out is None:
             out = cupy.empty_like(x)
-        self.allreduce_init(x, out, algorithm, bf16=bf16)()
-        return out
+        self.allreduce_init(x, out, algorithm, bf16=bf16, fast=False)()   # (packing for cuLaunchKernel costs
+        return out                                                        #  more than it saves on one call)
 
-    def allreduce_init(self, x, out, algorithm: str = "auto", *, bf16: bool = False):
+    def allreduce_init(self, x, out, algorithm: str = "auto", *, bf16: bool = False, fast: bool = True):
         """A persistent all-reduce (MPI 4's MPI_Allreduce_init): everything is worked out once, and the
         returned function only launches the kernel, summing whatever ``x`` holds into ``out``. For
-        latency-bound loops and CUDA graphs. No argument check across ranks: see ``allreduce``."""
+        latency-bound loops and CUDA graphs. No argument check across ranks: see ``allreduce``. ``fast``:
+        launch through cuLaunchKernel with the arguments packed once (CuPy's launcher otherwise)."""
         import cupy
 
         if algorithm == "auto":
@@ -211,7 +212,7 @@ class PeerMemory:
         args = tuple(args)
         launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else _type_name(x.dtype)}>")
         if source is x and target is out:
-            return _fast_launcher(launch, blocks, THREADS, args) or (lambda: launch((blocks,), (THREADS,), args))
+            return (fast and _fast_launcher(launch, blocks, THREADS, args)) or (lambda: launch((blocks,), (THREADS,), args))
 
         def padded():                                  # odd sizes or misaligned views: through copies
             if source is not x:
