@@ -84,3 +84,17 @@ def test_bench_cli_refuses_peer_algorithms_without_gpu_peer_memory(capsys):
 
     assert main(["bench", "allreduce", "-a", "peer_two_shot", "-b", "8", "-e", "8"]) == 2
     assert "--peer-memory" in capsys.readouterr().err
+
+
+def test_peer_memory_auto_table_picks_by_size():
+    """"auto" on GPUs: one_shot for small messages, two_shot in between, the ring for large ones (the table
+    measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
+    from types import SimpleNamespace
+
+    from tplab.comm.peer_memory import DEFAULT_TABLE, PeerMemory
+
+    pm = SimpleNamespace(table=list(DEFAULT_TABLE))
+    assert [PeerMemory.choose(pm, n) for n in (1024, 1 << 20, (1 << 20) + 16, 16 << 20, 256 << 20)] == \
+        ["one_shot", "one_shot", "two_shot", "two_shot", "ring"]
+    pm.table = [(4096, "ring"), (1 << 20, "two_shot")]
+    assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
