@@ -12,7 +12,8 @@ of chunk i+1 and reduce-scatter of chunk i-1 while chunk i computes). For each (
     compute_ms          the layer with its collectives as no-ops (NullComm)
     comm_ms             the layer's collectives alone, back to back (standalone communication)
     no_overlap_ms       the layer as it is: compute, then all-reduce, on one stream
-    overlapped_ms       chunked into k pieces (k = 1, 2, 4, 8): chunk i's all-reduce on a side CUDA
+    overlapped_ms       chunked into k pieces (k = 1, 2, 4, 8; layer "block_mb": k micro-batches of the
+                        batch instead of blocks of the sequence, QKV included): chunk i's all-reduce on a side CUDA
                         stream (event: "chunk i ready"; the compute stream waits on "all-reduce i done"
                         only where it uses the result) while chunk i+1 is computed
     exposed_ms          overlapped_ms - compute_ms;  hidden_fraction = 1 - exposed / comm_ms
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 import re
 import sys
 import time
@@ -180,7 +182,8 @@ def main():
     # weights; input: my slice of the sequence, (s/p, b, h); an all-gather before, a reduce-scatter after)
     mlp_sp = ParallelMLP(block.mlp.up, block.mlp.down, sequence_parallel=True)
     x_sp = x.transpose(0, 1).chunk(WORLD.size)[WORLD.rank].contiguous()
-    layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp)}
+    layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp),
+              "block_mb": (block, x)}  # the block cut into micro-batches (split="batch"; k <= batch)
     nbytes = args.batch * args.seq * args.hidden * x.element_size()  # one all-reduce of the whole layer
     if "tplab copy engine" in args.paths and cuda:  # bytes moved by copy engines, flags between rounds
         from tplab.comm.copy_engine import CopyEngineAllreduce
@@ -211,7 +214,10 @@ def main():
                     m.algorithm = args.algorithm
             t = time.perf_counter()
             with with_comm(layer, comm):
-                df = overlap_sweep(layer, layer_input, comm, chunk_counts, iters=args.iters, warmup=args.warmup, cuda=cuda)
+                split = "batch" if layer_name == "block_mb" else "sequence"
+                counts = [k for k in chunk_counts if split == "sequence" or k <= args.batch]
+                df = overlap_sweep(layer, layer_input, comm, counts, iters=args.iters, warmup=args.warmup, cuda=cuda,
+                                   make_overlapped=partial(overlapped, split=split))
             df = pipeline_model(df)
             df.insert(0, "machine", machine)
             df.insert(1, "path", path)
@@ -257,9 +263,9 @@ def main():
                                 (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
             fig.savefig(out / f"{name}_timeline_k4.png", dpi=110)
     if WORLD.rank == 0:
-        best = pd.concat(frames).query("layer == 'block'").sort_values("hidden_fraction", ascending=False)
+        best = pd.concat(frames).query("layer in ['block', 'block_mb']").sort_values("hidden_fraction", ascending=False)
         print(f"\nwrote {csv}\nbest block rows:\n"
-              f"{best[['path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(6).round(3).to_string(index=False)}")
+              f"{best[['layer', 'path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(8).round(3).to_string(index=False)}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

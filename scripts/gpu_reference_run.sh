@@ -42,8 +42,8 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     wait; echo "train: done"; tail -n 2 "$R"/log_train_*.txt ;;
   overlap)
     paths="torch.distributed,tplab copy engine,tplab peer"
-    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap" --layers block,mlp --paths "$paths"
-    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block --paths "$paths" ;;
+    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
+    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,block_mb --paths "$paths" ;;
   peer)
     for p in 4 3 2; do
       stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu

@@ -194,6 +194,22 @@ def test_overlapped_attention_and_block_equal_the_plain_ones(chunks):
     assert_same(block, overlapped(block, chunks), x, f"block k={chunks}")
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
+def test_block_split_into_micro_batches_equals_the_plain_one(chunks):
+    """split="batch": k micro-batches (5 > the batch of 4: one per sequence), QKV per micro-batch; the
+    causal GQA block with rotary positions too."""
+    x = replicated(4, 7, 8 * P, seed=8)
+    block = small_block()
+    assert_same(block, overlapped(block, chunks, split="batch"), x, f"micro-batches k={chunks}")
+    torch.manual_seed(1)
+    config = GPTConfig(vocab_size=8, n_layer=1, n_head=2 * P, n_kv_head=1, n_embd=8 * P, block_size=32,
+                       norm="rmsnorm", mlp="swiglu", position="rope", bias=False)
+    gqa = ParallelBlock(GPT(config).double().blocks[0], C)
+    assert_same(gqa, overlapped(gqa, chunks, split="batch"), x, f"GQA micro-batches k={chunks}")
+    with pytest.raises(ValueError, match="split"):
+        overlapped(small_block(), 2, split="heads")
+
+
 def test_overlapped_gqa_block_with_rotary_and_cache():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=8, n_layer=1, n_head=2 * P, n_kv_head=1, n_embd=8 * P, block_size=32,

@@ -18,6 +18,10 @@ while attention block i+1 is computed. Then only the MLP's last all-reduce is le
 
 This is "overlap across layers where the math allows": the data dependence is per token, so it allows.
 Generation with a KV cache (one new token: nothing to cut) runs the wrapped layer unchanged.
+
+``split="batch"`` cuts the batch instead (k micro-batches, like a pipeline's): micro-batches share nothing
+but weights, so even the QKV projection is per micro-batch and nothing runs for the whole batch before the
+first all-reduce can start; the price is k smaller GEMMs instead of one (and k <= batch).
 """
 
 from __future__ import annotations
@@ -100,19 +104,23 @@ class OverlappedAttention(nn.Module):
 
 class OverlappedBlock(nn.Module):
     """A tensor-parallel transformer block (tplab.models' ParallelBlock, or its four parts) pipelined over
-    ``chunks`` blocks of the sequence, attention's all-reduces overlapping attention, the MLP's the MLP."""
+    ``chunks`` blocks of the sequence (``split="sequence"``) or micro-batches (``split="batch"``),
+    attention's all-reduces overlapping attention, the MLP's the MLP."""
 
-    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4):
+    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4, split: str = "sequence"):
         super().__init__()
         _tensor_parallel_only(attention, "OverlappedBlock")
         if mlp.sequence_parallel:
             raise NotImplementedError("OverlappedBlock: tensor-parallel blocks only")
+        if split not in ("sequence", "batch"):
+            raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
         self.norm1, self.attention, self.norm2, self.mlp, self.chunks = norm1, attention, norm2, mlp, chunks
+        self.split = split
         self._mlp = OverlappedMLP(mlp)
 
     @classmethod
-    def from_block(cls, block, chunks: int = 4) -> "OverlappedBlock":
-        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks)
+    def from_block(cls, block, chunks: int = 4, split: str = "sequence") -> "OverlappedBlock":
+        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks, split)
 
     @property
     def comm(self):
@@ -123,16 +131,26 @@ class OverlappedBlock(nn.Module):
         if cache is not None:  # one token at a time: nothing to pipeline
             x = x + a(self.norm1(x), cache)
             return x + mlp(self.norm2(x))
-        check = mappings.check_arguments
+        check, by_batch = mappings.check_arguments, self.split == "batch"
         xa = copy_to_tensor_parallel_region(self.norm1(x), a.comm, a.algorithm)  # f of attention
-        with trace.span("QKV projection"):
-            blocks = _QueryBlocks(a, xa)
-        bounds = chunk_bounds(x.shape[1], self.chunks)
+        dim = 0 if by_batch else 1                              # micro-batches, or blocks of the sequence
+        bounds = chunk_bounds(x.shape[dim], self.chunks)
+        if not by_batch:
+            with trace.span("QKV projection"):
+                blocks = _QueryBlocks(a, xa)                    # every query block needs every key
         attn, mlp_out = [], []  # per chunk: (partial, handle)
 
+        def rows(t, i):  # chunk i of t: (b_i, s, h) or (b, s_i, h)
+            return t[bounds[i][0]:bounds[i][1]] if by_batch else t[:, bounds[i][0]:bounds[i][1]]
+
         def attention_chunk(i):
-            with trace.span(f"attention q-block {i}"):
-                partial = blocks.partial(*bounds[i])  # (b, s_i, h)
+            if by_batch:
+                with trace.span(f"attention micro-batch {i}"):
+                    micro = rows(xa, i)
+                    partial = _QueryBlocks(a, micro).partial(0, micro.shape[1])  # (b_i, s, h)
+            else:
+                with trace.span(f"attention q-block {i}"):
+                    partial = blocks.partial(*bounds[i])  # (b, s_i, h)
             count("allreduce")
             attn.append((partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check)))
 
@@ -140,7 +158,7 @@ class OverlappedBlock(nn.Module):
             partial, handle = attn[i]
             y = arrived(partial, handle.wait(), identity)
             y = y + a.o_bias if a.o_bias is not None else y
-            x1 = x[:, bounds[i][0]:bounds[i][1]] + y  # (b, s_i, h): after the attention residual
+            x1 = rows(x, i) + y  # after the attention residual
             hidden = copy_to_tensor_parallel_region(self.norm2(x1), mlp.comm, mlp.algorithm)  # f of the MLP
             with trace.span(f"MLP chunk {i}"):
                 part = self._mlp.partial(hidden)  # (b, s_i, h)
@@ -156,12 +174,12 @@ class OverlappedBlock(nn.Module):
         for x1, part, handle in mlp_out:
             y = arrived(part, handle.wait(), identity)
             outs.append(x1 + (y + mlp.down.bias if mlp.down.bias is not None else y))
-        return torch.cat(outs, dim=1)  # (b, s, h)
+        return torch.cat(outs, dim=dim)  # (b, s, h)
 
 
-def overlapped(module, chunks: int = 4):
+def overlapped(module, chunks: int = 4, split: str = "sequence"):
     """The overlapped version of a tplab layer: ParallelMLP, RowParallelLinear, ParallelAttention, or a
-    ParallelBlock (tplab.models)."""
+    ParallelBlock (tplab.models); a block may also be cut into micro-batches (``split="batch"``)."""
     from tplab.layers import ParallelAttention, ParallelMLP, RowParallelLinear
     from tplab.overlap.chunked_mlp import OverlappedRowParallelLinear
 
@@ -172,6 +190,6 @@ def overlapped(module, chunks: int = 4):
     if isinstance(module, ParallelAttention):
         return OverlappedAttention(module, chunks)
     if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
-        return OverlappedBlock.from_block(module, chunks)
+        return OverlappedBlock.from_block(module, chunks, split)
     raise TypeError(f"no overlapped version of {type(module).__name__}: ParallelMLP, RowParallelLinear, "
                     "ParallelAttention or a ParallelBlock")
