@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tplab.comm.peer_memory import LINE_PACKS, PACK, PeerMemory, kernel, torch_as_cupy
+from tplab.comm.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy
+from tplab.comm.peer_memory import PeerMemory
 
 MEMCPY_DEVICE_TO_DEVICE = 3
 
@@ -130,10 +131,10 @@ class CopyEngineAllreduce:
 
     def allreduce(self, x):
         """The sum over ranks of a CuPy array (float32/float64/int32/int64/float16), as a new array."""
-        from tplab.comm.peer_memory import _type_name
+        from tplab.comm.peer_kernels import type_name
 
         y = x.copy()
-        self.allreduce_(y, _type_name(x.dtype))
+        self.allreduce_(y, type_name(x.dtype))
         return y
 
     def barrier(self) -> None:

@@ -30,10 +30,10 @@ float32 and rounded once (one_shot, two_shot) or after every step (ring, like NC
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
-
 import numpy as np
+
+from tplab.comm.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, torch_as_cupy,
+                                     type_name, whole_packs)
 
 ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
@@ -42,36 +42,10 @@ MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLO
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 THREADS = 512
-PACK = 16                   # bytes per vector load/store
-LINE_PACKS = 8              # chunks are whole 128-byte cache lines
-KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long",
-                "bfloat16": "bf16_bits", "float16": "f16_bits"}
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
 # NVLink (data/gpu_peer_allreduce_4x-h100.csv: one_shot to 1 MiB, two_shot to 16 MiB, the ring beyond);
 # PeerMemory.tune() measures it again on the machine at hand (at p = 2 one_shot wins up to 4 MiB).
 DEFAULT_TABLE = ((1 << 20, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
-
-
-def kernel(name: str):
-    """A kernel of peer_allreduce.cu, e.g. ``kernel("two_shot<float>")`` (compiled once, on first use)."""
-    return _module().get_function(name)
-
-
-@lru_cache(maxsize=None)
-def _module():
-    import cupy
-
-    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_staged")
-    names = ["flag_barrier", "allgather"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
-    source = Path(__file__).with_name("peer_allreduce.cu").read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
-
-
-def _type_name(dtype) -> str:
-    name = "bfloat16" if str(dtype) in ("bfloat16", "|V2") else np.dtype(dtype).name
-    if name not in KERNEL_TYPES:
-        raise TypeError(f"peer all-reduce sums {sorted(KERNEL_TYPES)}, not {dtype}")
-    return KERNEL_TYPES[name]
 
 
 class PeerMemory:
@@ -198,7 +172,7 @@ class PeerMemory:
             return lambda: None
         if self.size == 1:
             return lambda: cupy.copyto(out, x)
-        source, target = _whole_packs(x), _whole_packs(out)
+        source, target = whole_packs(x), whole_packs(out)
         packs = source.nbytes // PACK
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
         work = packs if algorithm == "one_shot" else chunk
@@ -210,9 +184,9 @@ class PeerMemory:
         else:
             args += [np.int64(chunk), np.int64(packs)]
         args = tuple(args)
-        launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else _type_name(x.dtype)}>")
+        launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else type_name(x.dtype)}>")
         if source is x and target is out:
-            return (fast and _fast_launcher(launch, blocks, THREADS, args)) or (lambda: launch((blocks,), (THREADS,), args))
+            return (fast and fast_launcher(launch, blocks, THREADS, args)) or (lambda: launch((blocks,), (THREADS,), args))
 
         def padded():                                  # odd sizes or misaligned views: through copies
             if source is not x:
@@ -262,7 +236,7 @@ class PeerMemory:
         if self.size == 1:
             out.ravel()[...] = x.ravel()
             return out
-        source = _whole_packs(x)
+        source = whole_packs(x)
         packs = source.nbytes // PACK
         direct = source is x and out.data.ptr % PACK == 0
         target = out if direct else cupy.empty(self.size * packs * PACK, dtype=cupy.uint8)
@@ -284,9 +258,9 @@ class PeerMemory:
 
         tensor = tensor.contiguous()
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        x = _raw_bytes(tensor)
+        x = raw_bytes(tensor)
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.allgather(x, _raw_bytes(out), check=check)
+            self.allgather(x, raw_bytes(out), check=check)
         return out
 
     # ---- the communicator interface of tplab's layers (pass a PeerMemory as their ``comm``) ---------------
@@ -346,34 +320,6 @@ class PeerMemory:
         self._opened, self._own = [], []
 
 
-TORCH_TYPES = {"bfloat16": "bf16_bits", "float16": "f16_bits", "float32": "float", "float64": "double",
-               "int32": "int", "int64": "long long"}
-
-
-def torch_as_cupy(t):
-    """A contiguous torch CUDA tensor as a flat CuPy array over the same memory (bfloat16 as int16, so
-    that it needs no CuPy support), and the element type of peer_allreduce.cu."""
-    import cupy
-
-    if not t.is_contiguous() or not t.is_cuda:
-        raise ValueError("needs a contiguous CUDA tensor")
-    type_name = TORCH_TYPES.get(str(t.dtype).removeprefix("torch."))
-    if type_name is None:
-        raise TypeError(f"peer all-reduce sums {sorted(TORCH_TYPES)}, not {t.dtype}")
-    dtype = np.int16 if type_name == "bf16_bits" else np.dtype(str(t.dtype).removeprefix("torch."))
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
-    return cupy.ndarray((t.numel(),), dtype, cupy.cuda.MemoryPointer(memory, 0)), type_name
-
-
-def _raw_bytes(t):
-    """A contiguous torch CUDA tensor's memory as a CuPy uint8 array (no copy)."""
-    import cupy
-
-    nbytes = t.numel() * t.element_size()
-    memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
-    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-
-
 def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     """What is wrong with these arguments on this rank ('' if nothing)."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -382,7 +328,7 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return f"bf16=True needs 16-bit integers holding bfloat16 bits, not {x.dtype}"
     if not bf16:
         try:
-            _type_name(x.dtype)
+            type_name(x.dtype)
         except TypeError as e:
             return str(e)
     if x.nbytes > pm.nbytes:
@@ -397,57 +343,6 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     if one_shot and x.nbytes > pm.small:
         return f"one_shot handles up to {pm.small} bytes, not {x.nbytes}: use two_shot or ring"
     return ""
-
-
-@lru_cache(maxsize=None)
-def _libcuda():
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-    return lib
-
-
-def _fast_launcher(function, blocks: int, threads: int, args):
-    """A launch of ``function`` with ``args`` packed once, straight through the driver (cuLaunchKernel via
-    ctypes): a few microseconds less host time per call than CuPy's general launcher, which is most of
-    one_shot's eager latency. None where libcuda cannot be loaded."""
-    import ctypes
-
-    import cupy
-
-    lib = _libcuda()
-    if lib is None:
-        return None
-    kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
-    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else kinds[type(a)](int(a)) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    handle, get_stream = ctypes.c_void_p(function.kernel.ptr), cupy.cuda.get_current_stream
-    params_pointer = ctypes.cast(params, ctypes.c_void_p)
-
-    def launch():
-        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, 0, get_stream().ptr, params_pointer, None)
-        if error:
-            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
-
-    launch.keep_alive = (values, params, args)   # the packed arguments must outlive the launcher
-    return launch
-
-
-def _whole_packs(a):
-    """``a`` itself when it is 16-byte aligned and a whole number of 16-byte packs; else a zero-padded copy
-    (the kernels move whole packs only)."""
-    import cupy
-
-    if a.nbytes % PACK == 0 and a.data.ptr % PACK == 0:
-        return a
-    padded = cupy.zeros(-(-a.nbytes // PACK) * PACK, dtype=cupy.uint8)
-    padded[: a.nbytes] = a.ravel().view(cupy.uint8)
-    return padded
 
 
 def _shared_type():

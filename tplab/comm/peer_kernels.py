@@ -1,0 +1,123 @@
+"""How tplab's peer-memory kernels (peer_allreduce.cu) are compiled and launched, and how arrays reach them.
+
+    kernel("two_shot<float>")       the compiled kernel (NVRTC through CuPy, once per process)
+    fast_launcher(k, blocks, ...)    a launch with its arguments packed once, straight through cuLaunchKernel
+    whole_packs(a)                   a itself, or a zero-padded copy: the kernels move 16-byte packs only
+    torch_as_cupy(t), raw_bytes(t)   torch CUDA tensors seen by CuPy, no copy (bfloat16 as its 16 bits)
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+PACK = 16                   # bytes per vector load/store
+LINE_PACKS = 8              # chunks are whole 128-byte cache lines
+
+# numpy's name of an element type -> the kernels' (16-bit floats travel as their bits, summed in float32)
+KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long",
+                "bfloat16": "bf16_bits", "float16": "f16_bits"}
+
+
+def kernel(name: str):
+    """A kernel of peer_allreduce.cu, e.g. ``kernel("two_shot<float>")`` (compiled once, on first use)."""
+    return _module().get_function(name)
+
+
+@lru_cache(maxsize=None)
+def _module():
+    import cupy
+
+    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_staged")
+    names = ["flag_barrier", "allgather"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
+    source = Path(__file__).with_name("peer_allreduce.cu").read_text()
+    return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
+
+
+def type_name(dtype) -> str:
+    """The kernels' element type for a numpy/CuPy dtype; a clear error for the others."""
+    name = "bfloat16" if str(dtype) in ("bfloat16", "|V2") else np.dtype(dtype).name
+    if name not in KERNEL_TYPES:
+        raise TypeError(f"peer all-reduce sums {sorted(KERNEL_TYPES)}, not {dtype}")
+    return KERNEL_TYPES[name]
+
+
+TORCH_TYPES = {"bfloat16": "bf16_bits", "float16": "f16_bits", "float32": "float", "float64": "double",
+               "int32": "int", "int64": "long long"}
+
+
+def torch_as_cupy(t):
+    """A contiguous torch CUDA tensor as a flat CuPy array over the same memory (bfloat16 as int16, so
+    that it needs no CuPy support), and the element type of peer_allreduce.cu."""
+    import cupy
+
+    if not t.is_contiguous() or not t.is_cuda:
+        raise ValueError("needs a contiguous CUDA tensor")
+    element = TORCH_TYPES.get(str(t.dtype).removeprefix("torch."))
+    if element is None:
+        raise TypeError(f"peer all-reduce sums {sorted(TORCH_TYPES)}, not {t.dtype}")
+    dtype = np.int16 if element == "bf16_bits" else np.dtype(str(t.dtype).removeprefix("torch."))
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), t.numel() * t.element_size(), t, t.device.index)
+    return cupy.ndarray((t.numel(),), dtype, cupy.cuda.MemoryPointer(memory, 0)), element
+
+
+def raw_bytes(t):
+    """A contiguous torch CUDA tensor's memory as a CuPy uint8 array (no copy)."""
+    import cupy
+
+    nbytes = t.numel() * t.element_size()
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
+    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+
+@lru_cache(maxsize=None)
+def libcuda():
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    return lib
+
+
+def fast_launcher(function, blocks: int, threads: int, args):
+    """A launch of ``function`` with ``args`` packed once, straight through the driver (cuLaunchKernel via
+    ctypes): a few microseconds less host time per call than CuPy's general launcher, which is most of
+    one_shot's eager latency. None where libcuda cannot be loaded."""
+    import ctypes
+
+    import cupy
+
+    lib = libcuda()
+    if lib is None:
+        return None
+    kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
+    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else kinds[type(a)](int(a)) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    handle, get_stream = ctypes.c_void_p(function.kernel.ptr), cupy.cuda.get_current_stream
+    params_pointer = ctypes.cast(params, ctypes.c_void_p)
+
+    def launch():
+        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, 0, get_stream().ptr, params_pointer, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
+
+    launch.keep_alive = (values, params, args)   # the packed arguments must outlive the launcher
+    return launch
+
+
+def whole_packs(a):
+    """``a`` itself when it is 16-byte aligned and a whole number of 16-byte packs; else a zero-padded copy
+    (the kernels move whole packs only)."""
+    import cupy
+
+    if a.nbytes % PACK == 0 and a.data.ptr % PACK == 0:
+        return a
+    padded = cupy.zeros(-(-a.nbytes // PACK) * PACK, dtype=cupy.uint8)
+    padded[: a.nbytes] = a.ravel().view(cupy.uint8)
+    return padded
