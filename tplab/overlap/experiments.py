@@ -32,19 +32,20 @@ def make_block(hidden=256, heads=8, seq=128, batch=2, dtype=torch.float32, seed=
     return block, x
 
 
-def check_block(chunk_counts=(1, 2, 4, 8), **shape) -> list[dict]:
-    """Overlapped block vs the plain one in float64: largest difference of the output and of dL/dx."""
+def check_block(chunk_counts=(1, 2, 4, 8), splits=("sequence", "batch"), **shape) -> list[dict]:
+    """Overlapped block (cut along the sequence, or into micro-batches) vs the plain one in float64:
+    largest difference of the output and of dL/dx."""
     block, x = make_block(dtype=torch.float64, **shape)
     rows = []
-    for k in chunk_counts:
+    for split, k in [(split, k) for split in splits for k in chunk_counts]:
         outs = []
-        for layer in (block, overlapped(block, k)):
+        for layer in (block, overlapped(block, k, split=split)):
             xi = x.clone().requires_grad_()
             y = layer(xi)
             y.square().sum().backward()
             outs.append((y.detach(), xi.grad))
         (y, dx), (y2, dx2) = outs
-        rows.append({"chunks": k, "max |y - y_plain|": (y - y2).abs().max().item(),
+        rows.append({"split": split, "chunks": k, "max |y - y_plain|": (y - y2).abs().max().item(),
                      "max |dx - dx_plain|": (dx - dx2).abs().max().item(), "bitwise equal": torch.equal(y, y2)})
     return rows
 
