@@ -41,6 +41,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import tplab  # noqa: E402
+from tplab.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
 from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
 from tplab.comm.peer_memory import PeerMemory  # noqa: E402
@@ -55,14 +56,13 @@ def say(*args):
         print(*args, flush=True)
 
 
-def bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (round to nearest even), as int16."""
-    u = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.int16)
+def bf16_bits(values: np.ndarray) -> cupy.ndarray:
+    """float64 values -> bfloat16 bits (int16, rounded to nearest even) on the GPU."""
+    return narrow(cupy.asarray(values.astype(np.float32)))
 
 
 def bf16_values(bits) -> cupy.ndarray:
-    return (bits.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+    return widen(bits).astype(cupy.float64)
 
 
 def main():
@@ -111,7 +111,7 @@ def main():
                 x = cupy.asarray(rng.integers(-1000, 1000, count).astype(dtype))
                 as64 = x.astype(cupy.int64)
             elif dtype == "bfloat16":
-                x = cupy.asarray(bf16_bits(values))
+                x = bf16_bits(values)
                 as64 = bf16_values(x)
             else:
                 x = cupy.asarray(values.astype(dtype))

@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
+from tplab.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
 from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
 from tplab.comm.peer_memory import PeerMemory  # noqa: E402
@@ -32,8 +33,7 @@ def inputs(dtype, count):
         return x, x.astype(cupy.int64)
     values = rng.standard_normal(count)
     if dtype == "bfloat16":
-        u = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-        x = cupy.asarray(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.int16))
+        x = narrow(cupy.asarray(values.astype(np.float32)))  # bfloat16 bits (int16), rounded to nearest even
         return x, as_float64(x, True)
     x = cupy.asarray(values.astype(dtype))
     return x, x.astype(cupy.float64)
@@ -41,7 +41,7 @@ def inputs(dtype, count):
 
 def as_float64(y, bf16):
     if bf16:
-        return (y.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+        return widen(y).astype(cupy.float64)
     return y.astype(cupy.int64 if y.dtype.kind == "i" else cupy.float64)
 
 

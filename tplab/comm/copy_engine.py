@@ -89,7 +89,7 @@ class CopyEngineAllreduce:
                                             span(q)[1] - span(q)[0]), include_mine=True)
 
     def _pointer(self, q: int, offset: int) -> int:
-        return self.peers.peer_buffer(q, 0, "uint8", offset).data.ptr
+        return self.peers.data_pointer(q) + offset
 
     def _from_peers(self, stream, what, include_mine=False) -> None:
         """Copy ``what(q) = (dst, src, nbytes)`` for every peer q, each on its own side stream (so that

@@ -111,8 +111,7 @@ class PeerMemory:
         import cupy
 
         dtype = np.dtype(dtype)
-        pointer = self._own[0] if q == self.rank else self._data[q]
-        memory = cupy.cuda.UnownedMemory(pointer, self.nbytes + 2 * self.small, self, self.device)
+        memory = cupy.cuda.UnownedMemory(self.data_pointer(q), self.nbytes + 2 * self.small, self, self.device)
         return cupy.ndarray((count,), dtype, cupy.cuda.MemoryPointer(memory, offset))
 
     def queue_barrier(self) -> None:
@@ -267,6 +266,10 @@ class PeerMemory:
     def tensor_allreduce(self, t):
         """In place on a torch CUDA tensor with ``self.algorithm``, on torch's current stream."""
         return self.allreduce_torch(t, self.algorithm, out=t, check=False)
+
+    def data_pointer(self, q: int) -> int:
+        """The address of rank q's shared buffer, as mapped in this process (this rank's own for q = rank)."""
+        return self._data[q]
 
     def barrier(self) -> None:
         """Host barrier: this GPU's queued work is done, and so is every other rank's."""
