@@ -210,6 +210,21 @@ def test_block_split_into_micro_batches_equals_the_plain_one(chunks):
         overlapped(small_block(), 2, split="heads")
 
 
+@pytest.mark.parametrize("split, chunks, tail, pieces", [("batch", 2, 3, 3), ("batch", 4, 2, 2), ("sequence", 3, 4, 4),
+                                                          ("sequence", 2, 50, 12)])
+def test_block_with_its_last_mlp_cut_into_pieces_equals_the_plain_one(split, chunks, tail, pieces):
+    """tail=t: the last chunk's MLP in t pieces of tokens (50 > its 4·3 tokens: one piece per token)."""
+    block, x = small_block(), replicated(4, 7, 8 * P, seed=9)
+    layer = overlapped(block, chunks, split=split, tail=tail)
+    assert_same(block, layer, x, f"{split} k={chunks} tail={tail}")
+    with torch.no_grad():  # without autograd the chunks are written straight into the output
+        y, y2 = block(x), layer(x)
+    agree(torch.allclose(y, y2, **TOL), f"no_grad {split} k={chunks} tail={tail}: {(y - y2).abs().max():.2e}")
+    agree(len(collectives_of(layer, x)) == 2 * chunks - 1 + pieces, "one all-reduce per piece")
+    with pytest.raises(ValueError, match="tail"):
+        overlapped(block, 2, tail=0)
+
+
 def test_overlapped_gqa_block_with_rotary_and_cache():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=8, n_layer=1, n_head=2 * P, n_kv_head=1, n_embd=8 * P, block_size=32,

@@ -17,6 +17,9 @@ while attention block i+1 is computed. Then only the MLP's last all-reduce is le
     comm             [ar a0] [ar a1][ar m0] [ar a2][ar m1] [ar a3][ar m2][ar m3]
 
 This is "overlap across layers where the math allows": the data dependence is per token, so it allows.
+``tail=t`` cuts the last chunk's MLP into t pieces of tokens (an MLP works token by token), each piece's
+all-reduce starting while the next piece is computed: what is left waiting at the end shrinks from 1/k of
+the MLP's all-reduce to 1/(k·t).
 Generation with a KV cache (one new token: nothing to cut) runs the wrapped layer unchanged.
 
 ``split="batch"`` cuts the batch instead (k micro-batches, like a pipeline's): micro-batches share nothing
@@ -107,20 +110,22 @@ class OverlappedBlock(nn.Module):
     ``chunks`` blocks of the sequence (``split="sequence"``) or micro-batches (``split="batch"``),
     attention's all-reduces overlapping attention, the MLP's the MLP."""
 
-    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4, split: str = "sequence"):
+    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4, split: str = "sequence", tail: int = 1):
         super().__init__()
         _tensor_parallel_only(attention, "OverlappedBlock")
         if mlp.sequence_parallel:
             raise NotImplementedError("OverlappedBlock: tensor-parallel blocks only")
         if split not in ("sequence", "batch"):
             raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
+        if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
+            raise ValueError(f"tail must be a positive integer, not {tail!r}")
         self.norm1, self.attention, self.norm2, self.mlp, self.chunks = norm1, attention, norm2, mlp, chunks
-        self.split = split
+        self.split, self.tail = split, tail
         self._mlp = OverlappedMLP(mlp)
 
     @classmethod
-    def from_block(cls, block, chunks: int = 4, split: str = "sequence") -> "OverlappedBlock":
-        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks, split)
+    def from_block(cls, block, chunks: int = 4, split: str = "sequence", tail: int = 1) -> "OverlappedBlock":
+        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks, split, tail)
 
     @property
     def comm(self):
@@ -160,26 +165,40 @@ class OverlappedBlock(nn.Module):
             y = y + a.o_bias if a.o_bias is not None else y
             x1 = rows(x, i) + y  # after the attention residual
             hidden = copy_to_tensor_parallel_region(self.norm2(x1), mlp.comm, mlp.algorithm)  # f of the MLP
-            with trace.span(f"MLP chunk {i}"):
-                part = self._mlp.partial(hidden)  # (b, s_i, h)
-            count("allreduce")
-            mlp_out.append((x1, part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
+            tokens = hidden.reshape(-1, hidden.shape[-1])  # (n_i, h)
+            # The last chunk's all-reduce is the one nothing overlaps: cut its MLP into `tail` pieces of
+            # tokens, so that only the last piece's all-reduce is left waiting at the end.
+            pieces = chunk_bounds(tokens.shape[0], self.tail) if i == len(bounds) - 1 else [(0, tokens.shape[0])]
+            started = []
+            for j, (start, end) in enumerate(pieces):
+                with trace.span(f"MLP chunk {i}" + (f" piece {j}" if len(pieces) > 1 else "")):
+                    part = self._mlp.partial(tokens[start:end])  # (n_ij, h): this rank's share of the sum
+                count("allreduce")
+                started.append((part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
+            mlp_out.append((x1, started))
 
         for i in range(len(bounds)):
             attention_chunk(i)
             if i > 0:
                 mlp_chunk(i - 1)
         mlp_chunk(len(bounds) - 1)
+        # Chunk by chunk, in order: the residual adds of the early chunks run while the last all-reduce does.
+        # Without autograd they write straight into the output (no concatenation at the end: one pass fewer
+        # over the whole activation).
+        out = None if torch.is_grad_enabled() else torch.empty_like(x)
         outs = []
-        for x1, part, handle in mlp_out:
-            y = arrived(part, handle.wait(), identity)
-            outs.append(x1 + (y + mlp.down.bias if mlp.down.bias is not None else y))
-        return torch.cat(outs, dim=dim)  # (b, s, h)
+        for i, (x1, started) in enumerate(mlp_out):
+            ys = [arrived(part, handle.wait(), identity) for part, handle in started]
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(x1.shape)  # (b_i, s, h) or (b, s_i, h)
+            y = y + mlp.down.bias if mlp.down.bias is not None else y
+            outs.append(x1 + y if out is None else torch.add(x1, y, out=rows(out, i)))
+        return torch.cat(outs, dim=dim) if out is None else out  # (b, s, h)
 
 
-def overlapped(module, chunks: int = 4, split: str = "sequence"):
+def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):
     """The overlapped version of a tplab layer: ParallelMLP, RowParallelLinear, ParallelAttention, or a
-    ParallelBlock (tplab.models); a block may also be cut into micro-batches (``split="batch"``)."""
+    ParallelBlock (tplab.models); a block may also be cut into micro-batches (``split="batch"``), and its
+    last chunk's MLP into ``tail`` pieces (the last all-reduce, which nothing else overlaps, shrinks)."""
     from tplab.layers import ParallelAttention, ParallelMLP, RowParallelLinear
     from tplab.overlap.chunked_mlp import OverlappedRowParallelLinear
 
@@ -190,6 +209,6 @@ def overlapped(module, chunks: int = 4, split: str = "sequence"):
     if isinstance(module, ParallelAttention):
         return OverlappedAttention(module, chunks)
     if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
-        return OverlappedBlock.from_block(module, chunks, split)
+        return OverlappedBlock.from_block(module, chunks, split, tail)
     raise TypeError(f"no overlapped version of {type(module).__name__}: ParallelMLP, RowParallelLinear, "
                     "ParallelAttention or a ParallelBlock")
