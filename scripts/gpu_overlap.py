@@ -18,6 +18,13 @@ of chunk i+1 and reduce-scatter of chunk i-1 while chunk i computes). For each (
                         only where it uses the result) while chunk i+1 is computed
     exposed_ms          overlapped_ms - compute_ms;  hidden_fraction = 1 - exposed / comm_ms
 
+Knobs recorded in every row: `--tails` (the block's last MLP cut into t pieces, column `tail`),
+`--sm-carveouts` (cuBLAS asked to leave n multiprocessors to the communication kernels while the
+overlapped layer runs -- torch._C._set_sm_carveout_experimental; the baselines run without it; column
+`gemm_sm_carveout`), `--peer-blocks` (grid of the "tplab peer" kernels; one path per value), and NCCL's own
+environment (NCCL_MAX_CTAS, NCCL_MIN_CTAS, TORCH_NCCL_HIGH_PRIORITY: column `nccl_env`). `--tag` goes into
+the file name, so that launches with different environments keep their own CSV.
+
 Times: CUDA events around each forward pass, after a barrier; `--warmup` untimed passes, the median of
 `--iters`, the slowest rank's median. Two communication paths, each row says which (`path`):
 
@@ -89,6 +96,36 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class WithSMCarveout(nn.Module):
+    """``layer`` with cuBLAS's matmuls told to leave ``sms`` multiprocessors free while it runs: a GEMM sized
+    for all 132 SMs stalls on its last wave when a communication kernel holds some of them."""
+
+    def __init__(self, layer, sms: int):
+        super().__init__()
+        self.layer, self.sms = layer, sms
+
+    def forward(self, x):
+        torch._C._set_sm_carveout_experimental(self.sms)
+        try:
+            return self.layer(x)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+
+
+def with_sm_carveout(layer, sms: int):
+    return WithSMCarveout(layer, sms) if sms else layer
+
+
+def sm_carveouts(values: str) -> list[int]:
+    """The carveouts asked for, those above 0 only where this torch can set them (it says which it skipped)."""
+    asked = [int(v) for v in values.split(",")]
+    if hasattr(torch._C, "_set_sm_carveout_experimental"):
+        return asked
+    if WORLD.rank == 0 and any(asked):
+        print(f"torch {torch.__version__} cannot set an SM carveout: only carveout 0 is measured", flush=True)
+    return [v for v in asked if v == 0] or [0]
+
+
 def machine_name(device) -> str:
     if device.type == "cuda":
         card = torch.cuda.get_device_name(device)
@@ -126,6 +163,31 @@ def tplab_nccl_comm():
         return None, f"{type(e).__name__}: {e}"
 
 
+def tplab_gpu_paths(names: str, peer_blocks: str, nbytes: int) -> dict:
+    """tplab's GPU all-reduces named in ``names`` (a comma-separated list), for messages up to ``nbytes``:
+    "tplab copy engine", "tplab peer" (one per grid size in ``peer_blocks``), "tplab ring" (over NCCL)."""
+    paths = {}
+    if "tplab copy engine" in names:  # bytes moved by copy engines, flags between rounds
+        from tplab.comm.copy_engine import CopyEngineAllreduce
+
+        paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
+        if WORLD.rank == 0:
+            print(f"tplab copy engine: barriers by {paths['tplab copy engine'].stream_barriers.kind}", flush=True)
+    if "tplab peer" in names:  # the two-shot peer-memory kernel (SMs move the bytes)
+        from tplab.comm.peer_memory import PeerMemory
+
+        for i, blocks in enumerate(int(b) for b in peer_blocks.split(",")):  # few blocks: SMs left to GEMMs
+            paths[f"tplab peer{f' ({blocks} blocks)' if i else ''}"] = peer = PeerMemory(WORLD, nbytes, blocks=blocks)
+            peer.algorithm, peer.blocks_used = "two_shot", blocks
+    if "tplab ring" in names:
+        comm, why = tplab_nccl_comm()
+        if comm is not None:
+            paths["tplab ring"] = comm
+        elif WORLD.rank == 0:
+            print(f"tplab ring over NCCL skipped: {why}", flush=True)
+    return paths
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
@@ -140,7 +202,10 @@ def main():
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
     parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU; also "tplab copy engine", '
                         '"tplab peer"), "tplab MPI" (CPU; "tplab MPI,torch.distributed" adds gloo)')
-    parser.add_argument("--peer-blocks", type=int, default=16, help='grid of the "tplab peer" kernels (SMs taken)')
+    parser.add_argument("--peer-blocks", default="16", help='grid(s) of the "tplab peer" kernels (SMs taken), e.g. 8,16')
+    parser.add_argument("--tails", default="1", help="pieces of the block's last MLP (OverlappedBlock tail), e.g. 1,4")
+    parser.add_argument("--sm-carveouts", default="0", help="SMs cuBLAS leaves free in the overlapped layer, e.g. 0,16")
+    parser.add_argument("--tag", default="", help="added to the output file names")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
@@ -159,6 +224,7 @@ def main():
         device, dtype = torch.device("cuda", local), torch.bfloat16
         paths = {"torch.distributed": TorchDistributedComm(device, in_place=True)}
         stem = f"overlap_gpu-{slug(torch.cuda.get_device_name(device))}-x{WORLD.size}_cdmc-{slug(connections.split()[0])}"
+        stem += f"_{slug(args.tag)}" if args.tag else ""
     else:
         from tplab.comm import world
 
@@ -185,61 +251,53 @@ def main():
     layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp),
               "block_mb": (block, x)}  # the block cut into micro-batches (split="batch"; k <= batch)
     nbytes = args.batch * args.seq * args.hidden * x.element_size()  # one all-reduce of the whole layer
-    if "tplab copy engine" in args.paths and cuda:  # bytes moved by copy engines, flags between rounds
-        from tplab.comm.copy_engine import CopyEngineAllreduce
-
-        paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
-        if WORLD.rank == 0:
-            print(f"tplab copy engine: barriers by {paths['tplab copy engine'].stream_barriers.kind}", flush=True)
-    if "tplab peer" in args.paths and cuda:  # the two-shot peer-memory kernel (SMs move the bytes)
-        from tplab.comm.peer_memory import PeerMemory
-
-        paths["tplab peer"] = PeerMemory(WORLD, nbytes, blocks=args.peer_blocks)  # leave SMs to the GEMMs
-        paths["tplab peer"].algorithm = "two_shot"
-    if "tplab ring" in args.paths and cuda:
-        comm, why = tplab_nccl_comm()
-        if comm is not None:
-            paths["tplab ring"] = comm
-        elif WORLD.rank == 0:
-            print(f"tplab ring over NCCL skipped: {why}", flush=True)
-    paths = {name: c for name, c in paths.items() if name in args.paths}
+    if cuda:
+        paths.update(tplab_gpu_paths(args.paths, args.peer_blocks, nbytes))
+    paths = {name: c for name, c in paths.items() if name.split(" (")[0] in args.paths}
     chunk_counts = [int(k) for k in args.chunks.split(",")]
 
+    nccl_env = " ".join(f"{k}={os.environ[k]}" for k in ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS",
+                                                          "TORCH_NCCL_HIGH_PRIORITY") if k in os.environ)
+    variants = [(int(t), c) for t in args.tails.split(",") for c in sm_carveouts(args.sm_carveouts)]
+    runs = [(r, path, comm, layer_name, variant) for r in range(args.repeats) for path, comm in paths.items()
+            for layer_name in args.layers.split(",") for variant in variants
+            if variant == variants[0] or "block" in layer_name]  # (the knobs change only the block)
     frames = []
-    for repeat, path, comm in [(r, path, comm) for r in range(args.repeats) for path, comm in paths.items()]:
-        for layer_name in args.layers.split(","):
-            layer, layer_input = layers[layer_name]
-            for m in layer.modules():  # tplab's hand-written algorithm; torch.distributed ignores it
-                if hasattr(m, "algorithm"):
-                    m.algorithm = args.algorithm
-            t = time.perf_counter()
-            with with_comm(layer, comm):
-                split = "batch" if layer_name == "block_mb" else "sequence"
-                counts = [k for k in chunk_counts if split == "sequence" or k <= args.batch]
-                df = overlap_sweep(layer, layer_input, comm, counts, iters=args.iters, warmup=args.warmup, cuda=cuda,
-                                   make_overlapped=partial(overlapped, split=split))
-            df = pipeline_model(df)
-            df.insert(0, "machine", machine)
-            df.insert(1, "path", path)
-            df["layer"] = layer_name
-            if cuda:
-                df["cuda_device_max_connections"] = connections
-                df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
-            df["batch"], df["seq"], df["heads"], df["repeat"] = args.batch, args.seq, args.heads, repeat
-            df["path_detail"] = {"tplab peer": f"two_shot kernel, {args.peer_blocks} blocks",
-                                 "tplab copy engine": "copy engines; barriers by " +
-                                 getattr(getattr(comm, "stream_barriers", None), "kind", "")}.get(path, "")
-            if not cuda:  # other work on the machine: the 1-minute load average when this sweep ended
-                df["load_average"] = round(os.getloadavg()[0], 2)
-                df["progress_thread_waits"] = {True: "yield", False: "spin", None: "yield if oversubscribed"}[
-                    progress_thread.yield_cpu]
-            frames.append(df)
-            if WORLD.rank == 0:
-                cols = ["chunks", "compute_ms", "comm_ms", "no_overlap_ms", "compute_chunked_ms", "overlapped_ms",
-                        "exposed_ms", "hidden_fraction"]
-                print(f"\n{path}, {layer_name} ({time.perf_counter() - t:.0f} s)\n{df[cols].round(3).to_string(index=False)}",
-                      flush=True)
-                pd.concat(frames).to_csv(csv, index=False)  # written as it goes: a crash keeps what was measured
+    for repeat, path, comm, layer_name, (tail, carveout) in runs:
+        layer, layer_input = layers[layer_name]
+        for m in layer.modules():  # tplab's hand-written algorithm; torch.distributed ignores it
+            if hasattr(m, "algorithm"):
+                m.algorithm = args.algorithm
+        t = time.perf_counter()
+        split = "batch" if layer_name == "block_mb" else "sequence"
+        make = partial(overlapped, split=split, tail=tail) if "block" in layer_name else overlapped
+        with with_comm(layer, comm):
+            counts = [k for k in chunk_counts if split == "sequence" or k <= args.batch]
+            df = overlap_sweep(layer, layer_input, comm, counts, iters=args.iters, warmup=args.warmup, cuda=cuda,
+                               make_overlapped=lambda layer, k: with_sm_carveout(make(layer, k), carveout))
+        df = pipeline_model(df)
+        df.insert(0, "machine", machine)
+        df.insert(1, "path", path)
+        df["layer"] = layer_name
+        if cuda:
+            df["cuda_device_max_connections"] = connections
+            df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
+        df["batch"], df["seq"], df["heads"], df["repeat"] = args.batch, args.seq, args.heads, repeat
+        df["tail"], df["gemm_sm_carveout"], df["nccl_env"] = tail, carveout, nccl_env
+        df["path_detail"] = (f"two_shot kernel, {comm.blocks_used} blocks" if path.startswith("tplab peer") else
+                             "copy engines; barriers by " + comm.stream_barriers.kind if path == "tplab copy engine"
+                             else nccl_env)
+        if not cuda:  # other work on the machine: the 1-minute load average when this sweep ended
+            df["load_average"] = round(os.getloadavg()[0], 2)
+            df["progress_thread_waits"] = {True: "yield", False: "spin", None: "yield if oversubscribed"}[
+                progress_thread.yield_cpu]
+        frames.append(df)
+        if WORLD.rank == 0:
+            cols = ["chunks", "compute_ms", "comm_ms", "no_overlap_ms", "compute_chunked_ms", "overlapped_ms",
+                    "exposed_ms", "hidden_fraction"]
+            print(f"\n{path}, {layer_name}, tail {tail}, SM carveout {carveout} ({time.perf_counter() - t:.0f} s)\n"
+                  f"{df[cols].round(3).to_string(index=False)}", flush=True)
+            pd.concat(frames).to_csv(csv, index=False)  # written as it goes: a crash keeps what was measured
 
     # a timeline of the block at k = 4 for every path, from CUDA events on both streams on GPUs
     import matplotlib
@@ -247,7 +305,9 @@ def main():
     matplotlib.use("Agg")
     from tplab.plots import plot_timeline
 
-    chunked = overlapped(block, 4)
+    by_batch = "block_mb" in args.layers.split(",")  # the timeline of the best-placed variant measured
+    chunked = overlapped(block, min(4, args.batch) if by_batch else 4, split="batch" if by_batch else "sequence",
+                         tail=max(variants)[0])
     for path, comm in paths.items():
         with torch.no_grad(), with_comm(block, comm):
             for _ in range(3):
@@ -259,13 +319,15 @@ def main():
         if WORLD.rank == 0:
             name = f"{stem}_{slug(path)}" if path != next(iter(paths)) else stem  # the first keeps its old name
             write_chrome_trace(df, out / f"{name}_trace_k4.json")
-            fig = plot_timeline(df, title=f"block, k=4, {path}, {machine}" +
+            what = f"{'micro-batches' if by_batch else 'sequence blocks'}, k={chunked.chunks}, tail {chunked.tail}"
+            fig = plot_timeline(df, title=f"block, {what}, {path}, {machine}" +
                                 (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
             fig.savefig(out / f"{name}_timeline_k4.png", dpi=110)
     if WORLD.rank == 0:
         best = pd.concat(frames).query("layer in ['block', 'block_mb']").sort_values("hidden_fraction", ascending=False)
-        print(f"\nwrote {csv}\nbest block rows:\n"
-              f"{best[['layer', 'path', 'chunks', 'comm_ms', 'exposed_ms', 'hidden_fraction']].head(8).round(3).to_string(index=False)}")
+        columns = ["layer", "path", "chunks", "tail", "gemm_sm_carveout", "comm_ms", "compute_ms", "overlapped_ms",
+                   "exposed_ms", "hidden_fraction"]
+        print(f"\nwrote {csv}\nbest block rows:\n{best[columns].head(12).round(3).to_string(index=False)}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -9,6 +9,12 @@
 #   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
 #   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7): NCCL
 #                (torch.distributed), tplab's copy-engine all-reduce and its peer-memory two-shot
+#   contention   scripts/gpu_contention.py at p = 4: the block's compute and its all-reduces alone and together
+#                on one GPU, per path (NCCL default and at NCCL_MAX_CTAS=8, tplab peer 8/16/32 blocks, copy
+#                engines), cuBLAS SM carveout 0 and 16 (issue 7: what overlap costs)
+#   microbatch   scripts/gpu_overlap.py at p = 4, the block in micro-batches (k = 1, 2, 4), its last MLP in
+#                1 or 4 pieces, carveout 0 and 16, NCCL / copy engines / peer 16 and 32 blocks (issue 7: P5);
+#                MB_ENV adds mpiexec -x options, MB_TAG names the file (e.g. MB_ENV="-x CUDA_DEVICE_MAX_CONNECTIONS=1")
 #   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
 #   peer         tests/gpu at p = 4, 3, 2, then scripts/gpu_peer_allreduce.py at p = 4 and 2: the flag-
 #                synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6: P1, P2)
@@ -44,6 +50,14 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     paths="torch.distributed,tplab copy engine,tplab peer"
     stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
     stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,block_mb --paths "$paths" ;;
+  contention)
+    stage contention 150 $MPI -n 4 python3 scripts/gpu_contention.py "$R/contention"
+    stage contention_nccl8 90 $MPI -x NCCL_MAX_CTAS=8 -x TORCH_NCCL_HIGH_PRIORITY=1 -n 4 python3 scripts/gpu_contention.py \
+      "$R/contention" --paths torch.distributed --tag nccl-max-ctas-8 ;;
+  microbatch)
+    stage microbatch${MB_TAG:+_$MB_TAG} 300 $MPI ${MB_ENV:-} -n 4 python3 scripts/gpu_overlap.py "$R/microbatch" --layers block_mb \
+      --chunks 1,2,4 --tails 1,4 --sm-carveouts 0,16 --paths "${MB_PATHS:-torch.distributed,tplab copy engine,tplab peer}" \
+      --peer-blocks 16,32 --tag "micro-batches${MB_TAG:+_$MB_TAG}" ;;
   peer)
     for p in 4 3 2; do
       stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu
