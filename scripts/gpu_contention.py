@@ -51,9 +51,9 @@ def block_compute(tokens, hidden, heads, p, dtype):
     w_up, w_down = torch.randn(4 * local, h, dtype=dtype) * h**-0.5, torch.randn(h, 4 * local, dtype=dtype) * 0.01
 
     def run():
-        q, k, v = F.linear(x, w_qkv).view(tokens, 3, heads // p, d).permute(1, 2, 0, 3)  # (heads/p, s, d) each
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)                  # (heads/p, s, d)
-        y = F.linear(attn.transpose(0, 1).reshape(tokens, local), w_o)                  # (s, h): partial
+        q, k, v = F.linear(x, w_qkv).view(1, tokens, 3, heads // p, d).permute(2, 0, 3, 1, 4)  # (1, heads/p, s, d)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # (1, heads/p, s, d)
+        y = F.linear(attn[0].transpose(0, 1).reshape(tokens, local), w_o)                     # (s, h): partial
         return y, F.linear(F.gelu(F.linear(x + y, w_up)), w_down)                       # (s, h): partial
 
     return run

@@ -188,6 +188,43 @@ def tplab_gpu_paths(names: str, peer_blocks: str, nbytes: int) -> dict:
     return paths
 
 
+def profile_host(block, x, paths, chunk_counts, tail):
+    """Is the host keeping ahead of the GPU? For each path and k: the host's time to queue one forward pass of
+    the block in micro-batches, and the time until the GPU is done (rank 0's; a pass that the host cannot
+    queue faster than the GPU runs it leaves the GPU idle between kernels). Then torch.profiler's table of
+    the largest k on the first path: a synchronising call (cudaStreamSynchronize, cudaMemcpy to the host)
+    would show there."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+
+    def once(layer):
+        sync()
+        WORLD.Barrier()
+        t = time.perf_counter()
+        layer(x)
+        queued = time.perf_counter() - t
+        sync()
+        return queued * 1e3, (time.perf_counter() - t) * 1e3
+
+    with torch.no_grad():
+        for path, comm in paths.items():
+            with with_comm(block, comm):
+                for k in chunk_counts:
+                    layer = overlapped(block, k, split="batch", tail=tail) if k > 1 else block
+                    times = [once(layer) for _ in range(8)][3:]
+                    if WORLD.rank == 0:
+                        print(f"{path:24s} k={k}: host queues in {sorted(q for q, _ in times)[2]:.3f} ms, "
+                              f"done after {sorted(d for _, d in times)[2]:.3f} ms", flush=True)
+        path, comm = next(iter(paths.items()))
+        with with_comm(block, comm), profile(activities=activities) as prof:
+            once(overlapped(block, max(chunk_counts), split="batch", tail=tail))
+    if WORLD.rank == 0:
+        print(f"\n{path}, k={max(chunk_counts)}, tail {tail}:\n"
+              f"{prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=30)}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
@@ -206,6 +243,9 @@ def main():
     parser.add_argument("--tails", default="1", help="pieces of the block's last MLP (OverlappedBlock tail), e.g. 1,4")
     parser.add_argument("--sm-carveouts", default="0", help="SMs cuBLAS leaves free in the overlapped layer, e.g. 0,16")
     parser.add_argument("--tag", default="", help="added to the output file names")
+    parser.add_argument("--graphs", action="store_true", help="time every variant as a CUDA graph replay (GPU)")
+    parser.add_argument("--profile", action="store_true", help="only say where the host's time goes: host vs GPU "
+                        "time of the block in micro-batches per path and chunk count, and torch.profiler's table")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=1, help="measure every sweep this many times (noise)")
     args = parser.parse_args()
@@ -255,6 +295,8 @@ def main():
         paths.update(tplab_gpu_paths(args.paths, args.peer_blocks, nbytes))
     paths = {name: c for name, c in paths.items() if name.split(" (")[0] in args.paths}
     chunk_counts = [int(k) for k in args.chunks.split(",")]
+    if args.profile:
+        return profile_host(block, x, paths, chunk_counts, max(int(t) for t in args.tails.split(",")))
 
     nccl_env = " ".join(f"{k}={os.environ[k]}" for k in ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MAX_NCHANNELS",
                                                           "TORCH_NCCL_HIGH_PRIORITY") if k in os.environ)
@@ -274,7 +316,8 @@ def main():
         with with_comm(layer, comm):
             counts = [k for k in chunk_counts if split == "sequence" or k <= args.batch]
             df = overlap_sweep(layer, layer_input, comm, counts, iters=args.iters, warmup=args.warmup, cuda=cuda,
-                               make_overlapped=lambda layer, k: with_sm_carveout(make(layer, k), carveout))
+                               make_overlapped=lambda layer, k: with_sm_carveout(make(layer, k), carveout),
+                               graphs=args.graphs and cuda)
         df = pipeline_model(df)
         df.insert(0, "machine", machine)
         df.insert(1, "path", path)
@@ -320,6 +363,7 @@ def main():
             name = f"{stem}_{slug(path)}" if path != next(iter(paths)) else stem  # the first keeps its old name
             write_chrome_trace(df, out / f"{name}_trace_k4.json")
             what = f"{'micro-batches' if by_batch else 'sequence blocks'}, k={chunked.chunks}, tail {chunked.tail}"
+            what += ", eager" if args.graphs else ""  # (a graph replay records no CUDA events in between)
             fig = plot_timeline(df, title=f"block, {what}, {path}, {machine}" +
                                 (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
             fig.savefig(out / f"{name}_timeline_k4.png", dpi=110)

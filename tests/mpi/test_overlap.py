@@ -281,3 +281,4 @@ def test_overlap_sweep_runs_and_is_the_same_everywhere():
     df = overlap_sweep(mlp, replicated(16, 8, seed=10), C, [1, 2], iters=1, warmup=0, progress=False)
     ok = list(df["chunks"]) == [1, 2] and (df[["compute_ms", "comm_ms", "overlapped_ms"]] > 0).all().all()
     agree(ok and same_on_every_rank(df.to_csv()), f"sweep:\n{df}")
+    agree((df["max_rel_diff"] < 1e-12).all(), f"the timed overlapped layer computes the layer:\n{df}")

@@ -51,6 +51,30 @@ def time_forward(forward, comm, *, iters=10, warmup=2, cuda=False) -> float:
     return max(comm.allgather_object(statistics.median(times)))
 
 
+def captured(forward):
+    """``forward`` recorded once into a CUDA graph (collective: every rank at once); returns the function
+    that replays it. Why: cut into k chunks, a layer's forward pass is many more kernel launches and Python
+    calls, and the host can fall behind the GPU (seed 001's block in 4 micro-batches: about 5 ms to queue
+    for about 6 ms on an H200), leaving it idle between chunks. A replay queues the whole pass at once, so
+    what is timed is the GPU's work. The plain layer is timed the same way, so the comparison stays fair."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the graph: NCCL, cuBLAS and NVRTC set themselves up
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads (NCCL's watchdog) may go on querying events while this one captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = forward()  # lives in the graph's memory: each replay writes it again
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def collectives_of(layer, x) -> list[tuple]:
     """The collectives one forward pass of ``layer`` runs: (name, shape, dtype, device) each."""
     with torch.no_grad(), without_communication(layer) as null:
@@ -77,15 +101,20 @@ def _algorithm_of(layer) -> str:
 
 
 def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup=2, cuda=False, progress=True,
-                  make_overlapped=overlapped):
+                  make_overlapped=overlapped, graphs=False):
     """Exposed communication and hidden fraction of ``layer`` (a tplab TP layer: ParallelMLP,
     ParallelAttention, RowParallelLinear, ParallelBlock) on input ``x``, pipelined over each chunk count.
+    ``graphs=True`` (GPU): every variant is timed as a CUDA graph replay (``captured``), plain and chunked.
     Collective (run on every rank); a DataFrame, one row per chunk count, the same on every rank."""
     import pandas as pd
     from tqdm import tqdm
 
-    def timed(fn):
-        return time_forward(fn, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3  # ms
+    def timed(fn, outputs=None):
+        fn = captured(fn) if graphs else fn
+        ms = time_forward(fn, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3
+        if outputs is not None:
+            outputs.append(fn().clone())  # what the timed variant computes (a copy: a replay rewrites it)
+        return ms
 
     algorithm = _algorithm_of(layer)
     was_checking, mappings.check_arguments = mappings.check_arguments, False  # no agreement rounds while timing
@@ -94,14 +123,20 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
             with without_communication(layer):
                 compute_ms = timed(lambda: layer(x))
             comm_ms = timed(replay(collectives_of(layer, x), comm, algorithm))
-            no_overlap_ms = timed(lambda: layer(x))
+            plain = []
+            no_overlap_ms = timed(lambda: layer(x), plain)
+            scale = plain[0].abs().max().item() or 1.0
             rows = []
             for k in tqdm(chunk_counts, desc="chunk counts", disable=not progress or comm.rank != 0):
                 chunked = make_overlapped(layer, k)
                 with without_communication(layer):
                     compute_chunked_ms = timed(lambda: chunked(x))
                 comm_chunked_ms = timed(replay(collectives_of(chunked, x), comm, algorithm))
-                overlapped_ms = timed(lambda: chunked(x))
+                result = []
+                overlapped_ms = timed(lambda: chunked(x), result)
+                # a check that what was timed computes the layer (chunking changes rounding only; a lost or
+                # doubled collective would change the output by its own size)
+                max_rel_diff = max(comm.allgather_object((result[0] - plain[0]).abs().max().item() / scale))
                 exposed = overlapped_ms - compute_ms
                 rows.append({
                     "layer": type(layer).__name__, "chunks": k, "ranks": comm.size, "algorithm": algorithm,
@@ -109,7 +144,8 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
                     "compute_ms": compute_ms, "compute_chunked_ms": compute_chunked_ms, "comm_ms": comm_ms,
                     "comm_chunked_ms": comm_chunked_ms, "no_overlap_ms": no_overlap_ms, "overlapped_ms": overlapped_ms,
                     "exposed_no_overlap_ms": no_overlap_ms - compute_ms, "exposed_ms": exposed,
-                    "hidden_fraction": 1 - exposed / comm_ms, "iters": iters})
+                    "hidden_fraction": 1 - exposed / comm_ms, "iters": iters, "cuda_graph": graphs,
+                    "max_rel_diff": max_rel_diff})
     finally:
         mappings.check_arguments = was_checking
     return pd.DataFrame(rows)
