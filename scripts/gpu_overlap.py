@@ -13,7 +13,9 @@ of chunk i+1 and reduce-scatter of chunk i-1 while chunk i computes). For each (
     comm_ms             the layer's collectives alone, back to back (standalone communication)
     no_overlap_ms       the layer as it is: compute, then all-reduce, on one stream
     overlapped_ms       chunked into k pieces (k = 1, 2, 4, 8; layer "block_mb": k micro-batches of the
-                        batch instead of blocks of the sequence, QKV included): chunk i's all-reduce on a side CUDA
+                        batch instead of blocks of the sequence, QKV included; layer "stack_mb": a stack of
+                        --stack-layers blocks in micro-batches, overlapping across layers too -- its times
+                        are the stack's, column `layers` says how many): chunk i's all-reduce on a side CUDA
                         stream (event: "chunk i ready"; the compute stream waits on "all-reduce i done"
                         only where it uses the result) while chunk i+1 is computed
     exposed_ms          overlapped_ms - compute_ms;  hidden_fraction = 1 - exposed / comm_ms
@@ -237,6 +239,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--layers", default="block,mlp,attention,mlp_sp")
+    parser.add_argument("--stack-layers", type=int, default=4, help='blocks in layer "stack_mb"')
     parser.add_argument("--paths", help='default "torch.distributed,tplab ring" (GPU; also "tplab copy engine", '
                         '"tplab peer"), "tplab MPI" (CPU; "tplab MPI,torch.distributed" adds gloo)')
     parser.add_argument("--peer-blocks", default="16", help='grid(s) of the "tplab peer" kernels (SMs taken), e.g. 8,16')
@@ -290,6 +293,10 @@ def main():
     x_sp = x.transpose(0, 1).chunk(WORLD.size)[WORLD.rank].contiguous()
     layers = {"block": (block, x), "mlp": (block.mlp, x), "attention": (block.attention, x), "mlp_sp": (mlp_sp, x_sp),
               "block_mb": (block, x)}  # the block cut into micro-batches (split="batch"; k <= batch)
+    if "stack_mb" in args.layers:  # blocks applied in turn, pipelined in micro-batches across the layers
+        with torch.device(device):
+            more = [Block(args.hidden, args.heads, first_comm, dtype) for _ in range(args.stack_layers - 1)]
+        layers["stack_mb"] = (nn.Sequential(block, *more), x)
     nbytes = args.batch * args.seq * args.hidden * x.element_size()  # one all-reduce of the whole layer
     if cuda:
         paths.update(tplab_gpu_paths(args.paths, args.peer_blocks, nbytes))
@@ -303,7 +310,7 @@ def main():
     variants = [(int(t), c) for t in args.tails.split(",") for c in sm_carveouts(args.sm_carveouts)]
     runs = [(r, path, comm, layer_name, variant) for r in range(args.repeats) for path, comm in paths.items()
             for layer_name in args.layers.split(",") for variant in variants
-            if variant == variants[0] or "block" in layer_name]  # (the knobs change only the block)
+            if variant == variants[0] or layer_name in ("block", "block_mb", "stack_mb")]  # (the knobs change those only)
     frames = []
     for repeat, path, comm, layer_name, (tail, carveout) in runs:
         layer, layer_input = layers[layer_name]
@@ -311,8 +318,11 @@ def main():
             if hasattr(m, "algorithm"):
                 m.algorithm = args.algorithm
         t = time.perf_counter()
-        split = "batch" if layer_name == "block_mb" else "sequence"
-        make = partial(overlapped, split=split, tail=tail) if "block" in layer_name else overlapped
+        split = "batch" if layer_name.endswith("_mb") else "sequence"
+        if layer_name == "stack_mb":
+            make = lambda stack, k: overlapped(list(stack), k, split="batch", tail=tail)  # noqa: E731
+        else:
+            make = partial(overlapped, split=split, tail=tail) if "block" in layer_name else overlapped
         with with_comm(layer, comm):
             counts = [k for k in chunk_counts if split == "sequence" or k <= args.batch]
             df = overlap_sweep(layer, layer_input, comm, counts, iters=args.iters, warmup=args.warmup, cuda=cuda,
@@ -322,6 +332,7 @@ def main():
         df.insert(0, "machine", machine)
         df.insert(1, "path", path)
         df["layer"] = layer_name
+        df["layers"] = len(layer) if layer_name == "stack_mb" else 1
         if cuda:
             df["cuda_device_max_connections"] = connections
             df["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE", "unset")
@@ -368,7 +379,8 @@ def main():
                                 (f", CUDA_DEVICE_MAX_CONNECTIONS={connections}" if cuda else ""))
             fig.savefig(out / f"{name}_timeline_k4.png", dpi=110)
     if WORLD.rank == 0:
-        best = pd.concat(frames).query("layer in ['block', 'block_mb']").sort_values("hidden_fraction", ascending=False)
+        best = pd.concat(frames).query("layer in ['block', 'block_mb', 'stack_mb']").sort_values("hidden_fraction",
+                                                                                                 ascending=False)
         columns = ["layer", "path", "chunks", "tail", "gemm_sm_carveout", "comm_ms", "compute_ms", "overlapped_ms",
                    "exposed_ms", "hidden_fraction"]
         print(f"\nwrote {csv}\nbest block rows:\n{best[columns].head(12).round(3).to_string(index=False)}")

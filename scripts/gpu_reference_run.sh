@@ -16,8 +16,9 @@
 #                1 or 4 pieces, carveout 0 and 16, NCCL / copy engines / peer 16 and 32 blocks (issue 7: P5);
 #                MB_ENV adds mpiexec -x options, MB_TAG names the file (e.g. MB_ENV="-x CUDA_DEVICE_MAX_CONNECTIONS=1")
 #   graphs       tests/gpu/test_gpu_overlap.py at p = 4, then scripts/gpu_overlap.py --graphs at p = 4: every
-#                variant replayed from a CUDA graph (the host out of the way), micro-batches and sequence
-#                blocks, tails 1 and 2, NCCL / copy engines / peer 32 blocks, 3 repeats (issue 7: P5)
+#                variant replayed from a CUDA graph (the host out of the way), one block and a stack of 4 in
+#                micro-batches (GRAPH_LAYERS), tails 1 and 2, NCCL / copy engines / peer 32 blocks, 2 repeats
+#                (GRAPH_REPEATS) (issue 7: P5)
 #   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
 #   peer         tests/gpu at p = 4, 3, 2, then scripts/gpu_peer_allreduce.py at p = 4 and 2: the flag-
 #                synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6: P1, P2)
@@ -63,8 +64,9 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
       --peer-blocks 16,32 --tag "micro-batches${MB_TAG:+_$MB_TAG}" ;;
   graphs)
     stage tests_overlap 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n 4 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_overlap.py
-    stage graphs 330 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers block_mb,block --chunks 1,2,4,8 \
-      --tails 1,2 --paths "torch.distributed,tplab copy engine,tplab peer" --peer-blocks 32 --repeats 3 --tag graphs ;;
+    stage graphs 330 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers ${GRAPH_LAYERS:-block_mb,stack_mb} \
+      --chunks 1,2,4 --tails 1,2 --paths "torch.distributed,tplab copy engine,tplab peer" --peer-blocks 32 \
+      --repeats ${GRAPH_REPEATS:-2} --tag graphs ;;
   peer)
     for p in 4 3 2; do
       stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu

@@ -225,6 +225,22 @@ def test_block_with_its_last_mlp_cut_into_pieces_equals_the_plain_one(split, chu
         overlapped(block, 2, tail=0)
 
 
+@pytest.mark.parametrize("chunks, tail", [(1, 1), (2, 1), (3, 2), (4, 5)])
+def test_micro_batches_through_a_stack_of_blocks_equal_the_blocks_in_turn(chunks, tail):
+    """MicroBatchPipeline: overlap across layers; values and all gradients as the plain stack."""
+    blocks = [small_block(seed=s) for s in range(3)]
+    stack, x = nn.Sequential(*blocks), replicated(4, 6, 8 * P, seed=11)
+    pipeline = overlapped(blocks, chunks, split="batch", tail=tail)
+    assert_same(stack, pipeline, x, f"stack of 3, k={chunks}, tail={tail}")
+    with torch.no_grad():  # without autograd each micro-batch's last add writes into the output
+        y, y2 = stack(x), pipeline(x)
+    agree(torch.allclose(y, y2, **TOL), f"no_grad stack k={chunks}: {(y - y2).abs().max():.2e}")
+    pieces = min(tail, 6 * (4 // chunks if 4 % chunks == 0 else 1))  # tokens of the last micro-batch
+    agree(len(collectives_of(pipeline, x)) == 2 * 3 * min(chunks, 4) - 1 + pieces, "one all-reduce per step")
+    with pytest.raises(ValueError, match="split='batch'"):
+        overlapped(blocks, 2)
+
+
 def test_overlapped_gqa_block_with_rotary_and_cache():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=8, n_layer=1, n_head=2 * P, n_kv_head=1, n_embd=8 * P, block_size=32,

@@ -10,11 +10,13 @@
                           k chunks of tokens, chunk i's collective overlapping chunk i+1's compute
     chunked_attention.py  OverlappedAttention (query blocks), OverlappedBlock (attention and MLP
                           pipelined across the block), overlapped(layer, k)
+    micro_batches.py      MicroBatchPipeline: k micro-batches through a stack of blocks, every all-reduce
+                          overlapping another micro-batch's compute, across layers too
     pipeline.py           chunk bounds; finished collectives wired back into autograd
     nullcomm.py           NullComm / without_communication: the layer with its collectives as no-ops
     trace.py              Tracer: per-rank compute / comm / wait intervals, a DataFrame, Chrome trace JSON
-    metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts;
-                          pipeline_model (what a two-stage pipeline predicts)
+    metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts
+                          (optionally timed as CUDA graph replays: captured); pipeline_model
     experiments.py        notebook 06's experiments on a small TP block (run on every rank)
 
     h = iallreduce(x, comm, algorithm="ring"); ...compute...; y = h.wait()
@@ -24,6 +26,7 @@
 
 from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock, overlapped
 from tplab.overlap.chunked_mlp import OverlappedMLP, OverlappedRowParallelLinear
+from tplab.overlap.micro_batches import MicroBatchPipeline
 from tplab.overlap.metrics import collectives_of, overlap_sweep, pipeline_model, time_forward
 from tplab.overlap.mpi_progress import progress_experiment
 from tplab.overlap.handles import Handle, waitall
@@ -34,6 +37,7 @@ from tplab.overlap.trace import Tracer, chrome_trace, write_chrome_trace
 
 __all__ = [
     "Handle",
+    "MicroBatchPipeline",
     "NullComm",
     "OverlappedAttention",
     "OverlappedBlock",

@@ -22,9 +22,10 @@ all-reduce starting while the next piece is computed: what is left waiting at th
 the MLP's all-reduce to 1/(k·t).
 Generation with a KV cache (one new token: nothing to cut) runs the wrapped layer unchanged.
 
-``split="batch"`` cuts the batch instead (k micro-batches, like a pipeline's): micro-batches share nothing
-but weights, so even the QKV projection is per micro-batch and nothing runs for the whole batch before the
-first all-reduce can start; the price is k smaller GEMMs instead of one (and k <= batch).
+``overlapped(block, k, split="batch")`` cuts the batch instead (k micro-batches, like a pipeline's): they
+share nothing but weights, so even the QKV projection is per micro-batch and nothing runs for the whole
+batch before the first all-reduce can start; the price is k smaller GEMMs instead of one (and k <= batch).
+That is micro_batches.py's MicroBatchPipeline, which also pipelines micro-batches through a stack of blocks.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ class _QueryBlocks:
         v = a.v_proj(x).view(b, s, a.local_kv_heads, d).transpose(1, 2)
         if a.rotary is not None:
             q, k = a.rotary(q, k, first_position=0)
-        repeat = a.local_heads // a.local_kv_heads
-        self.q, self.k, self.v = q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        repeat = a.local_heads // a.local_kv_heads  # (grouped-query attention: K, V heads shared by `repeat`)
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        self.q, self.k, self.v = q, k, v
         self.attention, self.batch = a, b
 
     def partial(self, start, end):
@@ -107,25 +110,22 @@ class OverlappedAttention(nn.Module):
 
 class OverlappedBlock(nn.Module):
     """A tensor-parallel transformer block (tplab.models' ParallelBlock, or its four parts) pipelined over
-    ``chunks`` blocks of the sequence (``split="sequence"``) or micro-batches (``split="batch"``),
-    attention's all-reduces overlapping attention, the MLP's the MLP."""
+    ``chunks`` blocks of the sequence, attention's all-reduces overlapping attention, the MLP's the MLP."""
 
-    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4, split: str = "sequence", tail: int = 1):
+    def __init__(self, norm1, attention, norm2, mlp, chunks: int = 4, tail: int = 1):
         super().__init__()
         _tensor_parallel_only(attention, "OverlappedBlock")
         if mlp.sequence_parallel:
             raise NotImplementedError("OverlappedBlock: tensor-parallel blocks only")
-        if split not in ("sequence", "batch"):
-            raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
         if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
             raise ValueError(f"tail must be a positive integer, not {tail!r}")
         self.norm1, self.attention, self.norm2, self.mlp, self.chunks = norm1, attention, norm2, mlp, chunks
-        self.split, self.tail = split, tail
+        self.tail = tail
         self._mlp = OverlappedMLP(mlp)
 
     @classmethod
-    def from_block(cls, block, chunks: int = 4, split: str = "sequence", tail: int = 1) -> "OverlappedBlock":
-        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks, split, tail)
+    def from_block(cls, block, chunks: int = 4, tail: int = 1) -> "OverlappedBlock":
+        return cls(block.norm1, block.attention, block.norm2, block.mlp, chunks, tail)
 
     @property
     def comm(self):
@@ -136,26 +136,16 @@ class OverlappedBlock(nn.Module):
         if cache is not None:  # one token at a time: nothing to pipeline
             x = x + a(self.norm1(x), cache)
             return x + mlp(self.norm2(x))
-        check, by_batch = mappings.check_arguments, self.split == "batch"
+        check = mappings.check_arguments
         xa = copy_to_tensor_parallel_region(self.norm1(x), a.comm, a.algorithm)  # f of attention
-        dim = 0 if by_batch else 1                              # micro-batches, or blocks of the sequence
-        bounds = chunk_bounds(x.shape[dim], self.chunks)
-        if not by_batch:
-            with trace.span("QKV projection"):
-                blocks = _QueryBlocks(a, xa)                    # every query block needs every key
-        attn, mlp_out = [], []  # per chunk: (partial, handle)
-
-        def rows(t, i):  # chunk i of t: (b_i, s, h) or (b, s_i, h)
-            return t[bounds[i][0]:bounds[i][1]] if by_batch else t[:, bounds[i][0]:bounds[i][1]]
+        bounds = chunk_bounds(x.shape[1], self.chunks)
+        with trace.span("QKV projection"):
+            blocks = _QueryBlocks(a, xa)                    # every query block needs every key
+        attn, mlp_out = [], []  # per chunk: (partial, handle); (x1, [(partial, handle) per piece])
 
         def attention_chunk(i):
-            if by_batch:
-                with trace.span(f"attention micro-batch {i}"):
-                    micro = rows(xa, i)
-                    partial = _QueryBlocks(a, micro).partial(0, micro.shape[1])  # (b_i, s, h)
-            else:
-                with trace.span(f"attention q-block {i}"):
-                    partial = blocks.partial(*bounds[i])  # (b, s_i, h)
+            with trace.span(f"attention q-block {i}"):
+                partial = blocks.partial(*bounds[i])  # (b, s_i, h)
             count("allreduce")
             attn.append((partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check)))
 
@@ -163,7 +153,7 @@ class OverlappedBlock(nn.Module):
             partial, handle = attn[i]
             y = arrived(partial, handle.wait(), identity)
             y = y + a.o_bias if a.o_bias is not None else y
-            x1 = rows(x, i) + y  # after the attention residual
+            x1 = x[:, bounds[i][0]:bounds[i][1]] + y  # (b, s_i, h): after the attention residual
             hidden = copy_to_tensor_parallel_region(self.norm2(x1), mlp.comm, mlp.algorithm)  # f of the MLP
             tokens = hidden.reshape(-1, hidden.shape[-1])  # (n_i, h)
             # The last chunk's all-reduce is the one nothing overlaps: cut its MLP into `tail` pieces of
@@ -189,16 +179,17 @@ class OverlappedBlock(nn.Module):
         outs = []
         for i, (x1, started) in enumerate(mlp_out):
             ys = [arrived(part, handle.wait(), identity) for part, handle in started]
-            y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(x1.shape)  # (b_i, s, h) or (b, s_i, h)
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(x1.shape)  # (b, s_i, h)
             y = y + mlp.down.bias if mlp.down.bias is not None else y
-            outs.append(x1 + y if out is None else torch.add(x1, y, out=rows(out, i)))
-        return torch.cat(outs, dim=dim) if out is None else out  # (b, s, h)
+            outs.append(x1 + y if out is None else torch.add(x1, y, out=out[:, bounds[i][0]:bounds[i][1]]))
+        return torch.cat(outs, dim=1) if out is None else out  # (b, s, h)
 
 
 def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):
     """The overlapped version of a tplab layer: ParallelMLP, RowParallelLinear, ParallelAttention, or a
-    ParallelBlock (tplab.models); a block may also be cut into micro-batches (``split="batch"``), and its
-    last chunk's MLP into ``tail`` pieces (the last all-reduce, which nothing else overlaps, shrinks)."""
+    ParallelBlock (tplab.models); a block -- or a list of blocks, applied in turn -- may also be cut into
+    micro-batches (``split="batch"``, MicroBatchPipeline), and its last chunk's MLP into ``tail`` pieces
+    (the last all-reduce, which nothing else overlaps, shrinks)."""
     from tplab.layers import ParallelAttention, ParallelMLP, RowParallelLinear
     from tplab.overlap.chunked_mlp import OverlappedRowParallelLinear
 
@@ -208,7 +199,19 @@ def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):
         return OverlappedRowParallelLinear(module, chunks)
     if isinstance(module, ParallelAttention):
         return OverlappedAttention(module, chunks)
+    if split not in ("sequence", "batch"):
+        raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
+    if isinstance(module, (list, tuple, nn.ModuleList)):  # a stack of blocks: micro-batches across the layers
+        from tplab.overlap.micro_batches import MicroBatchPipeline
+
+        if split != "batch":
+            raise ValueError("a stack of blocks is pipelined in micro-batches: pass split='batch'")
+        return MicroBatchPipeline(module, chunks, tail)
     if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
-        return OverlappedBlock.from_block(module, chunks, split, tail)
+        if split == "batch":
+            from tplab.overlap.micro_batches import MicroBatchPipeline
+
+            return MicroBatchPipeline([module], chunks, tail)
+        return OverlappedBlock.from_block(module, chunks, tail)
     raise TypeError(f"no overlapped version of {type(module).__name__}: ParallelMLP, RowParallelLinear, "
                     "ParallelAttention or a ParallelBlock")

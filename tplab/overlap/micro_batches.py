@@ -1,0 +1,119 @@
+"""Micro-batches pipelined through a stack of tensor-parallel blocks: overlap across layers.
+
+Cut the batch into k micro-batches. They share nothing but the weights, so while micro-batch i's
+all-reduce runs, another micro-batch can compute -- in this block or in the next one. Each micro-batch
+goes through the same steps (attention of block 0, MLP of block 0, attention of block 1, ...). A step
+takes the micro-batch's last all-reduce (its residual add), computes this rank's partial output of the
+next half-block, and starts that all-reduce. Issued round-robin over the micro-batches (k = 2):
+
+    compute  [attn0 mb0][attn0 mb1][mlp0 mb0][mlp0 mb1][attn1 mb0][attn1 mb1] ... [mlpL mb1]
+    comm                [ar       ][ar       ][ar       ][ar       ][ar       ] ...          [ar]
+
+every all-reduce runs while the other micro-batch computes, across block boundaries too. Only the very
+last one is left waiting: 1/(2·L·k) of the stack's communication, where a single block left 1/(2k).
+With k = 2 this is the "two-batch overlap" of inference servers. ``tail=t`` cuts that last step into t
+pieces of tokens (the MLP works token by token), so that only 1/t of it waits.
+
+    pipeline = MicroBatchPipeline(blocks, chunks=2)   # blocks: tplab.models ParallelBlocks (tensor parallel)
+    y = pipeline(x)                                   # = the blocks applied in turn, to rounding
+
+The all-reduces are tplab.overlap's nonblocking ones: a progress thread on CPU ranks, a side stream
+with events on GPUs. Autograd flows through (backward is not overlapped). Exact: each micro-batch's
+arithmetic is the plain block's on its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tplab.layers import mappings
+from tplab.layers.mappings import copy_to_tensor_parallel_region
+from tplab.overlap import trace
+from tplab.overlap.chunked_mlp import OverlappedMLP
+from tplab.overlap.nonblocking import iallreduce
+from tplab.overlap.pipeline import arrived, chunk_bounds, count, identity
+
+
+class _InFlight:
+    """A micro-batch between two steps: its residual stream ``x`` and the all-reduces of the partial
+    output to be added to it (one, or one per piece of tokens), plus the bias that follows the sum."""
+
+    def __init__(self, x, started=(), bias=None):
+        self.x, self.started, self.bias = x, list(started), bias
+
+    def landed(self, out=None):
+        """x + the reduced output: the micro-batch's residual stream after this half-block (b_i, s, h),
+        written into ``out`` if given."""
+        if not self.started:
+            return self.x if out is None else out.copy_(self.x)
+        ys = [arrived(part, handle.wait(), identity) for part, handle in self.started]
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(self.x.shape)
+        y = y + self.bias if self.bias is not None else y
+        return self.x + y if out is None else torch.add(self.x, y, out=out)
+
+
+class MicroBatchPipeline(nn.Module):
+    """Tensor-parallel transformer blocks (``norm1, attention, norm2, mlp`` each, pre-norm) applied in turn
+    to ``chunks`` micro-batches, each all-reduce overlapping other micro-batches' compute."""
+
+    def __init__(self, blocks, chunks: int = 2, tail: int = 1):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        for block in self.blocks:
+            if block.attention.sequence_parallel or block.mlp.sequence_parallel:
+                raise NotImplementedError("MicroBatchPipeline: tensor-parallel blocks only")
+        chunk_bounds(1, chunks)  # (validates chunks)
+        if isinstance(tail, bool) or not isinstance(tail, int) or tail < 1:
+            raise ValueError(f"tail must be a positive integer, not {tail!r}")
+        self.chunks, self.tail = chunks, tail
+        self._mlps = [OverlappedMLP(block.mlp) for block in self.blocks]
+
+    @property
+    def comm(self):
+        return self.blocks[0].attention.comm
+
+    def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank
+        if cache is not None:  # one token at a time: nothing to pipeline
+            for block in self.blocks:
+                x = x + block.attention(block.norm1(x), cache)
+                x = x + block.mlp(block.norm2(x))
+            return x
+        bounds = chunk_bounds(x.shape[0], self.chunks)
+        flights = [_InFlight(x[a:b]) for a, b in bounds]  # (b_i, s, h) each: micro-batches share no rows
+        steps = [(block, half) for block in range(len(self.blocks)) for half in ("attention", "mlp")]
+        for n, (block, half) in enumerate(steps):
+            for i, flight in enumerate(flights):
+                last = n == len(steps) - 1 and i == len(flights) - 1
+                flights[i] = self._step(block, half, i, flight.landed(), self.tail if last else 1)
+        if torch.is_grad_enabled():
+            return torch.cat([flight.landed() for flight in flights])  # (b, s, h)
+        out = torch.empty_like(x)  # without autograd: each micro-batch's last residual add writes its rows
+        for (a, b), flight in zip(bounds, flights):
+            flight.landed(out=out[a:b])
+        return out
+
+    def _step(self, index, half, micro_batch, x, pieces):
+        """Half-block ``half`` of block ``index`` on micro-batch x (b_i, s, h): its partial output, with its
+        all-reduce started (in ``pieces`` pieces of tokens)."""
+        from tplab.overlap.chunked_attention import _QueryBlocks
+
+        block, check = self.blocks[index], mappings.check_arguments
+        if half == "attention":
+            a = block.attention
+            xa = copy_to_tensor_parallel_region(block.norm1(x), a.comm, a.algorithm)  # f of attention
+            with trace.span(f"block {index} attention, micro-batch {micro_batch}"):
+                partial = _QueryBlocks(a, xa).partial(0, x.shape[1])  # (b_i, s, h)
+            count("allreduce")
+            return _InFlight(x, [(partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check))],
+                             a.o_bias)
+        mlp = block.mlp
+        hidden = copy_to_tensor_parallel_region(block.norm2(x), mlp.comm, mlp.algorithm)  # f of the MLP
+        tokens = hidden.reshape(-1, hidden.shape[-1])  # (n_i, h)
+        started = []
+        for j, (start, end) in enumerate(chunk_bounds(tokens.shape[0], pieces)):
+            with trace.span(f"block {index} MLP, micro-batch {micro_batch}" + (f" piece {j}" if pieces > 1 else "")):
+                part = self._mlps[index].partial(tokens[start:end])  # (n_ij, h): this rank's share of the sum
+            count("allreduce")
+            started.append((part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
+        return _InFlight(x, started, mlp.down.bias)
