@@ -114,6 +114,30 @@ def test_replayed_from_a_cuda_graph(algorithm):
     agree(close(out.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
 
 
+@pytest.mark.parametrize("calls", [1, 3])
+def test_copy_engine_replayed_back_to_back_from_a_cuda_graph(calls):
+    """Replays with no host wait in between, an odd number of calls per graph too: the barriers of a
+    captured call must wait again on every replay, and a replay's first call may reuse the half of the
+    previous replay's last (copy_engine.py's docstring)."""
+    x, values = inputs("float32", 300007)
+    outs = [cupy.empty_like(x) for _ in range(calls)]
+    CE.allreduce_(x.copy(), "float")  # (its staging buffer, allocated outside the capture)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for out in outs:
+            out[...] = x
+            CE.allreduce_(out, "float")
+        graph = stream.end_capture()
+        for _ in range(6):
+            graph.launch(stream)
+        stream.synchronize()
+    want = NCCL.builtin_allreduce(values)
+    scale = NCCL.builtin_allreduce(cupy.abs(values).astype(cupy.float64))
+    for i, out in enumerate(outs):
+        agree(close(out.astype(cupy.float64), want, scale, "float32"), f"call {i} of {calls}, after 6 replays")
+
+
 def test_bad_arguments_raise_on_every_rank():
     with pytest.raises(ValueError, match="do not fit"):
         PEERS.allreduce(cupy.zeros(PEERS.nbytes // 4 + 1, dtype="float32"))
