@@ -75,7 +75,7 @@ def test_peer_memory_kernels_ship_with_the_package():
     from importlib.resources import files
 
     source = files("tplab.comm").joinpath("peer_allreduce.cu").read_text()
-    for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_staged"]:
+    for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
 
 

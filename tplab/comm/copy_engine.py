@@ -6,17 +6,19 @@ A GPU also has copy engines (DMA units that move bytes over NVLink without any S
 between GPUs goes through them; the SMs only add up one block per rank and run two one-block barrier
 kernels, so the GEMMs on the other stream keep the GPU.
 
-    two-shot with copy engines, rank r of p, its stream S (p-1 side streams copy concurrently):
-      copy x into my shared buffer (half j % 2 on call j)               local copy
-      barrier(all)                                                      flags, one block
-      staged[q] <- block r of rank q's buffer, for every q != r          copy engines, over NVLink
-      block r of my buffer <- sum over q in rank order                   SMs: n/p elements, once
+    two-shot with copy engines, rank r of p, its stream S (p-1 side streams copy concurrently);
+    slot q = the q-th block of a rank's shared buffer (half j % 2 on call j):
+      slot r of rank q's buffer <- block q of x, for every q              copy engines push, over NVLink
+                                                                          (my own block: a local copy)
       barrier(all)
-      block q of x <- block q of rank q's buffer, for every q             copy engines, and my own block
+      slot r of my buffer <- sum over q of my slot q, in rank order      SMs: n/p elements, once
+      barrier(all)
+      block q of x <- slot q of rank q's buffer, for every q              copy engines pull, and mine
 
 The result is bitwise identical on every rank (block q is summed once, by rank q). Two halves of the shared
-buffer alternate between calls: call j+2 may overwrite half j%2 because call j+1's first barrier proved
-every peer had finished call j. Nothing waits on the host, so calls queue back to back on a side stream.
+buffer alternate between calls: call j+2 may write into half j%2 because call j+1's first barrier proved
+every peer had finished call j. (Pushing the reduce-scatter, not pulling it, spares a copy of the whole
+input into the shared buffer: the peers read only what the copy engines wrote there.) Nothing waits on the host, so calls queue back to back on a side stream.
 
 Inside a CUDA graph capture the barriers change. A stream memory operation waits for a number fixed when
 it is queued: a graph's second replay would find the first replay's numbers already there and not wait
@@ -53,7 +55,6 @@ class CopyEngineAllreduce:
         self.peers = PeerMemory(mpi_comm, 2 * self.half)
         self.stream_barriers = StreamBarriers(self.peers)
         self.copy_streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(max(self.size - 1, 0))]
-        self.staged = None
         self.calls = 0
 
     # ---- the algorithm, on CuPy arrays and raw pointers ---------------------------------------------------
@@ -73,37 +74,33 @@ class CopyEngineAllreduce:
         packs = -(-nbytes // PACK)
         block_packs = -(-packs // (p * LINE_PACKS)) * LINE_PACKS
         block = block_packs * PACK                           # bytes per block (the last may be shorter)
-        mine = self.peers.peer_buffer(r, block, "uint8", offset + r * block)
-
         def span(q):                                         # block q's bytes: [start, end) within x
             return min(q * block, nbytes), min((q + 1) * block, nbytes)
 
         capturing = _is_capturing(stream)                                     # (see the module docstring)
-        self._memcpy(self._pointer(r, offset), x.data.ptr, nbytes, stream)     # x -> my shared buffer
-        self.stream_barriers.queue(stream, graph_safe=capturing)               # every input is in place
-        start, end = span(r)
-        if end > start:
-            if self.staged is None or self.staged.nbytes < (p - 1) * block:
-                self.staged = cupy.empty((p - 1) * block, dtype=cupy.uint8)
-            self._from_peers(stream, lambda q: (self.staged.data.ptr + (q if q < r else q - 1) * block,
-                                                self._pointer(q, offset) + start, end - start))
-            mine_packs = -(-(end - start) // PACK)
-            threads = 512
-            blocks = max(1, min(self.peers.max_blocks, -(-mine_packs // threads)))
-            kernel(f"sum_staged<{type_name}>")((blocks,), (threads,), (
-                self.staged, np.int64(block_packs), mine, np.int32(r), np.int32(p), np.int64(mine_packs)))
+
+        def slot(q, of):                                     # rank `of`'s slot q in this call's half
+            return self._pointer(of, offset) + q * block
+
+        self._copy_each(stream, lambda q: (slot(r, of=q), x.data.ptr + span(q)[0], span(q)[1] - span(q)[0]))
+        self.stream_barriers.queue(stream, graph_safe=capturing)               # every block has arrived
+        mine_packs = -(-(span(r)[1] - span(r)[0]) // PACK)
+        if mine_packs:
+            blocks = max(1, min(self.peers.max_blocks, -(-mine_packs // 512)))
+            my_half = self.peers.peer_buffer(r, p * block, "uint8", offset)
+            kernel(f"sum_slots<{type_name}>")((blocks,), (512,), (
+                my_half, np.int64(block_packs), np.int32(r), np.int32(p), np.int64(mine_packs)))
         self.stream_barriers.queue(stream, graph_safe=capturing)               # every block is summed
-        self._from_peers(stream, lambda q: (x.data.ptr + span(q)[0], self._pointer(q, offset) + span(q)[0],
-                                            span(q)[1] - span(q)[0]), include_mine=True)
+        self._copy_each(stream, lambda q: (x.data.ptr + span(q)[0], slot(q, of=q), span(q)[1] - span(q)[0]))
         if capturing:
             self.stream_barriers.queue(stream, graph_safe=True)                # everyone has read my half
 
     def _pointer(self, q: int, offset: int) -> int:
         return self.peers.data_pointer(q) + offset
 
-    def _from_peers(self, stream, what, include_mine=False) -> None:
-        """Copy ``what(q) = (dst, src, nbytes)`` for every peer q, each on its own side stream (so that
-        several copy engines work at once), then make ``stream`` wait for all of them."""
+    def _copy_each(self, stream, what) -> None:
+        """Copy ``what(q) = (dst, src, nbytes)`` for every rank q, the peers' each on a side stream of its
+        own (so that several copy engines work at once), mine on ``stream``; ``stream`` then waits for all."""
         p, r = self.size, self.rank
         forked = stream.record()
         joins = []
@@ -115,10 +112,9 @@ class CopyEngineAllreduce:
             side.wait_event(forked)
             self._memcpy(dst, src, nbytes, side)
             joins.append(side.record())
-        if include_mine:
-            dst, src, nbytes = what(r)
-            if nbytes > 0:
-                self._memcpy(dst, src, nbytes, stream)
+        dst, src, nbytes = what(r)
+        if nbytes > 0:
+            self._memcpy(dst, src, nbytes, stream)
         for done in joins:
             stream.wait_event(done)
 

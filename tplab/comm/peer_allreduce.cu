@@ -373,13 +373,14 @@ extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* b
 }
 
 // ---- the reduction step of the copy-engine all-reduce (copy_engine.py) ----------------------------------
-// The copy engines have brought block r of every peer into `staged` (peer q < r at slot q, q > r at q-1,
-// `stride` packs apart); sum them with this rank's own block, in rank order, into `mine`.
+// The copy engines have pushed block r of every rank q's input into slot q of this rank's shared half
+// (`slots`, `stride` packs apart; slot r holds this rank's own block r); sum them in rank order into slot r,
+// which the peers then copy out.
 template <typename T>
-__global__ void sum_staged(const uint4* staged, long long stride, uint4* mine, int rank, int p, long long packs) {
+__global__ void sum_slots(uint4* slots, long long stride, int rank, int p, long long packs) {
     const uint4* in[MAX_RANKS];
 #pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++)
-        in[q] = q == rank ? mine : staged + (long long)(q < rank ? q : q - 1) * stride;
+    for (int q = 0; q < MAX_RANKS; q++) in[q] = slots + (long long)(q < p ? q : 0) * stride;
+    uint4* mine = slots + (long long)rank * stride;
     FOR_MY_PACKS(i, 0, packs) mine[i] = sum_in_rank_order<T>(in, p, i);
 }

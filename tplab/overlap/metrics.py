@@ -10,9 +10,10 @@ gives exposed = 0 and a hidden fraction of 1. The baseline without comm is the *
 cost of chunking itself (smaller, less efficient GEMMs; per-chunk overheads) counts as exposed: that is
 what a user pays. ``compute_chunked_ms`` shows that part alone.
 
-Timing: every iteration starts after a barrier; a rank's time is its median over ``iters``, a point's
-time the slowest rank's (the ranks wait for each other in the collectives anyway). On GPUs the time is
-measured with CUDA events (``cuda=True``).
+Timing: every call starts after a barrier; a rank's time is its median over ``iters``, a point's time
+the slowest rank's (the ranks wait for each other in the collectives anyway). All variants of a sweep are
+timed in interleaved rounds (time_forwards), so that a drift during the sweep cannot favour one of them.
+On GPUs the time is measured with CUDA events (``cuda=True``), optionally of CUDA graph replays.
 """
 
 from __future__ import annotations
@@ -30,25 +31,38 @@ from tplab.overlap.nullcomm import without_communication
 
 def time_forward(forward, comm, *, iters=10, warmup=2, cuda=False) -> float:
     """Seconds per call of ``forward()``: the slowest rank's median over ``iters`` (after ``warmup``)."""
-    times = []
+    return time_forwards({"forward": forward}, comm, iters=iters, warmup=warmup, cuda=cuda)["forward"]
+
+
+def time_forwards(forwards: dict, comm, *, iters=10, warmup=2, cuda=False) -> dict:
+    """Seconds per call of each of ``forwards`` (name -> function), measured in interleaved rounds: round i
+    runs every function once, so a drift during the measurement (clocks, temperature, a neighbour's job)
+    falls on all of them alike instead of on whichever came last. Each: the slowest rank's median over
+    ``iters`` rounds (after ``warmup``); every call starts after a barrier."""
+    times = {name: [] for name in forwards}
     for i in range(warmup + iters):
-        if cuda:
-            torch.cuda.synchronize()
-        comm.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward()
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t = time.perf_counter()
-            forward()
-            seconds = time.perf_counter() - t
-        if i >= warmup:
-            times.append(seconds)
-    return max(comm.allgather_object(statistics.median(times)))
+        for name, forward in forwards.items():
+            seconds = _time_once(forward, comm, cuda)
+            if i >= warmup:
+                times[name].append(seconds)
+    gathered = comm.allgather_object({name: statistics.median(t) for name, t in times.items()})
+    return {name: max(medians[name] for medians in gathered) for name in forwards}
+
+
+def _time_once(forward, comm, cuda) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    comm.barrier()
+    if not cuda:
+        t = time.perf_counter()
+        forward()
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    forward()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def captured(forward):
@@ -73,6 +87,11 @@ def captured(forward):
         return out
 
     return replay
+
+
+def _without_communication(layer, fn):
+    with without_communication(layer):
+        return fn()
 
 
 def collectives_of(layer, x) -> list[tuple]:
@@ -109,43 +128,41 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
     import pandas as pd
     from tqdm import tqdm
 
-    def timed(fn, outputs=None):
-        fn = captured(fn) if graphs else fn
-        ms = time_forward(fn, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3
-        if outputs is not None:
-            outputs.append(fn().clone())  # what the timed variant computes (a copy: a replay rewrites it)
-        return ms
+    def prepared(fn, silent=False):  # silent: the layer's collectives as no-ops (NullComm) while fn runs
+        run = (lambda: _without_communication(layer, fn)) if silent else fn
+        return captured(run) if graphs else run
 
     algorithm = _algorithm_of(layer)
     was_checking, mappings.check_arguments = mappings.check_arguments, False  # no agreement rounds while timing
     try:
         with torch.no_grad():
-            with without_communication(layer):
-                compute_ms = timed(lambda: layer(x))
-            comm_ms = timed(replay(collectives_of(layer, x), comm, algorithm))
-            plain = []
-            no_overlap_ms = timed(lambda: layer(x), plain)
-            scale = plain[0].abs().max().item() or 1.0
+            chunked = {k: make_overlapped(layer, k) for k in chunk_counts}
+            runs = {"compute": prepared(lambda: layer(x), silent=True),
+                    "comm": prepared(replay(collectives_of(layer, x), comm, algorithm)),
+                    "no_overlap": prepared(lambda: layer(x))}
+            for k, layer_k in chunked.items():
+                runs["compute_chunked", k] = prepared(lambda layer_k=layer_k: layer_k(x), silent=True)
+                runs["comm_chunked", k] = prepared(replay(collectives_of(layer_k, x), comm, algorithm))
+                runs["overlapped", k] = prepared(lambda layer_k=layer_k: layer_k(x))
+            ms = {name: seconds * 1e3 for name, seconds in
+                  time_forwards(runs, comm, iters=iters, warmup=warmup, cuda=cuda).items()}
+            # a check that what was timed computes the layer (chunking changes rounding only; a lost or
+            # doubled collective would change the output by its own size)
+            plain = runs["no_overlap"]().clone()
+            scale = plain.abs().max().item() or 1.0
             rows = []
             for k in tqdm(chunk_counts, desc="chunk counts", disable=not progress or comm.rank != 0):
-                chunked = make_overlapped(layer, k)
-                with without_communication(layer):
-                    compute_chunked_ms = timed(lambda: chunked(x))
-                comm_chunked_ms = timed(replay(collectives_of(chunked, x), comm, algorithm))
-                result = []
-                overlapped_ms = timed(lambda: chunked(x), result)
-                # a check that what was timed computes the layer (chunking changes rounding only; a lost or
-                # doubled collective would change the output by its own size)
-                max_rel_diff = max(comm.allgather_object((result[0] - plain[0]).abs().max().item() / scale))
+                max_rel_diff = max(comm.allgather_object((runs["overlapped", k]() - plain).abs().max().item() / scale))
+                compute_ms, comm_ms, overlapped_ms = ms["compute"], ms["comm"], ms["overlapped", k]
                 exposed = overlapped_ms - compute_ms
                 rows.append({
                     "layer": type(layer).__name__, "chunks": k, "ranks": comm.size, "algorithm": algorithm,
                     "tokens": x.shape[:-1].numel(), "hidden": x.shape[-1], "dtype": str(x.dtype).replace("torch.", ""),
-                    "compute_ms": compute_ms, "compute_chunked_ms": compute_chunked_ms, "comm_ms": comm_ms,
-                    "comm_chunked_ms": comm_chunked_ms, "no_overlap_ms": no_overlap_ms, "overlapped_ms": overlapped_ms,
-                    "exposed_no_overlap_ms": no_overlap_ms - compute_ms, "exposed_ms": exposed,
-                    "hidden_fraction": 1 - exposed / comm_ms, "iters": iters, "cuda_graph": graphs,
-                    "max_rel_diff": max_rel_diff})
+                    "compute_ms": compute_ms, "compute_chunked_ms": ms["compute_chunked", k], "comm_ms": comm_ms,
+                    "comm_chunked_ms": ms["comm_chunked", k], "no_overlap_ms": ms["no_overlap"],
+                    "overlapped_ms": overlapped_ms, "exposed_no_overlap_ms": ms["no_overlap"] - compute_ms,
+                    "exposed_ms": exposed, "hidden_fraction": 1 - exposed / comm_ms, "iters": iters,
+                    "cuda_graph": graphs, "timing": "interleaved", "max_rel_diff": max_rel_diff})
     finally:
         mappings.check_arguments = was_checking
     return pd.DataFrame(rows)
