@@ -4,6 +4,7 @@
     plot_times(df)                 time vs message size, one line per algorithm (log-log)
     plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
     plot_overlap_sweep(df)         a layer's time and hidden fraction against the chunk count (tplab.overlap)
+    plot_overlap_summary(df)       per path: a layer without overlap vs overlapped at its best (gpu_overlap.py rows)
 """
 
 from __future__ import annotations
@@ -196,6 +197,38 @@ def plot_overlap_sweep(df, title=None, axes=None):
     for ax in axes:
         ax.xaxis.set_minor_locator(plt.NullLocator())  # only the chunk counts on the log axis
         ax.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def plot_overlap_summary(df, title=None):
+    """One panel per layer of ``scripts/gpu_overlap.py`` rows (e.g. ``block_mb``, ``stack_mb``): for each
+    communication path, the time per layer without overlap (red) and overlapped at its best setting (green:
+    the median over repeated sweeps of the fastest chunk count / tail / carveout), against the compute alone
+    (blue line); each green bar says its k and hidden fraction. A stack's times are divided by its ``layers``."""
+    df = df.copy()
+    per_layer = df["layers"] if "layers" in df else 1
+    for column in ("compute_ms", "no_overlap_ms", "overlapped_ms", "comm_ms"):
+        df[column] = df[column] / per_layer
+    keys = [c for c in ("path", "chunks", "tail", "gemm_sm_carveout") if c in df]
+    layers = list(dict.fromkeys(df["layer"]))
+    fig, axes = plt.subplots(1, len(layers), figsize=(5.5 * len(layers), 4), constrained_layout=True, squeeze=False)
+    for ax, layer in zip(axes[0], layers):
+        rows = df[df["layer"] == layer]
+        median = rows.groupby(keys).median(numeric_only=True).reset_index()
+        best = median.loc[median.groupby("path")["overlapped_ms"].idxmin()].reset_index(drop=True)
+        x = np.arange(len(best))
+        ax.bar(x - 0.2, best["no_overlap_ms"], 0.4, color="tab:red", label="no overlap")
+        ax.bar(x + 0.2, best["overlapped_ms"], 0.4, color="tab:green", label="overlapped, best setting")
+        ax.axhline(rows["compute_ms"].median(), color="tab:blue", ls="--", label="compute alone")
+        for xi, row in best.iterrows():
+            ax.annotate(f"k={row['chunks']:.0f}\nhidden {row['hidden_fraction']:.2f}", (xi + 0.2, row["overlapped_ms"]),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, best["path"], fontsize=8)
+        top = max(best["no_overlap_ms"].max(), best["overlapped_ms"].max())
+        ax.set(ylabel="time per layer (ms)", title=layer, ylim=(0, top * 1.2))
+        ax.legend(fontsize=7, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

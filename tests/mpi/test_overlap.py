@@ -241,6 +241,15 @@ def test_micro_batches_through_a_stack_of_blocks_equal_the_blocks_in_turn(chunks
         overlapped(blocks, 2)
 
 
+def test_notebook_check_of_blocks_and_stacks_reports_rounding_only():
+    from tplab.overlap import experiments
+
+    shape = dict(hidden=8 * P, heads=2 * P, seq=6, batch=3)
+    rows = experiments.check_block((1, 2, 3), **shape) + experiments.check_block((2, 3), ("batch",), 2, 2, **shape)
+    agree(len(rows) == 8 and all(r["max |y - y_plain|"] < 1e-12 and r["max |dx - dx_plain|"] < 1e-12 for r in rows),
+          f"{rows}")
+
+
 def test_overlapped_gqa_block_with_rotary_and_cache():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=8, n_layer=1, n_head=2 * P, n_kv_head=1, n_embd=8 * P, block_size=32,

@@ -3,6 +3,7 @@ transformer block, its overlapped versions checked against it, traced, and swept
 
     block, x = make_block(hidden=256, heads=8, seq=128, batch=2)   # the same weights and input everywhere
     check_block(chunk_counts)        # max |overlapped - plain| per k (float64), the same on every rank
+    check_block(chunk_counts, splits=("batch",), layers=3)   # micro-batches through a stack of 3 blocks
     trace_block(chunks)              # the traced intervals of one forward pass (rank 0; None elsewhere)
     sweep_block(chunk_counts)        # metrics.overlap_sweep of the block (+ the pipeline model's columns)
 """
@@ -32,20 +33,27 @@ def make_block(hidden=256, heads=8, seq=128, batch=2, dtype=torch.float32, seed=
     return block, x
 
 
-def check_block(chunk_counts=(1, 2, 4, 8), splits=("sequence", "batch"), **shape) -> list[dict]:
+def check_block(chunk_counts=(1, 2, 4, 8), splits=("sequence", "batch"), layers=1, tail=1, **shape) -> list[dict]:
     """Overlapped block (cut along the sequence, or into micro-batches) vs the plain one in float64:
-    largest difference of the output and of dL/dx."""
-    block, x = make_block(dtype=torch.float64, **shape)
+    largest difference of the output and of dL/dx. ``layers > 1``: a stack of that many blocks, pipelined
+    in micro-batches across the layers (MicroBatchPipeline; the sequence split is for one block only);
+    ``tail``: pieces of the last MLP step."""
+    from torch import nn
+
+    blocks = [make_block(dtype=torch.float64, seed=seed, **shape)[0] for seed in range(layers)]
+    x = make_block(dtype=torch.float64, **shape)[1]
+    plain = blocks[0] if layers == 1 else nn.Sequential(*blocks)
     rows = []
-    for split, k in [(split, k) for split in splits for k in chunk_counts]:
+    for split, k in [(split, k) for split in splits for k in chunk_counts if split == "batch" or layers == 1]:
         outs = []
-        for layer in (block, overlapped(block, k, split=split)):
+        for layer in (plain, overlapped(blocks[0] if layers == 1 else blocks, k, split=split, tail=tail)):
             xi = x.clone().requires_grad_()
             y = layer(xi)
             y.square().sum().backward()
             outs.append((y.detach(), xi.grad))
         (y, dx), (y2, dx2) = outs
-        rows.append({"split": split, "chunks": k, "max |y - y_plain|": (y - y2).abs().max().item(),
+        rows.append({"layers": layers, "split": split, "chunks": k, "tail": tail,
+                     "max |y - y_plain|": (y - y2).abs().max().item(),
                      "max |dx - dx_plain|": (dx - dx2).abs().max().item(), "bitwise equal": torch.equal(y, y2)})
     return rows
 
