@@ -25,7 +25,12 @@ Knobs recorded in every row: `--tails` (the block's last MLP cut into t pieces, 
 overlapped layer runs -- torch._C._set_sm_carveout_experimental; the baselines run without it; column
 `gemm_sm_carveout`), `--peer-blocks` (grid of the "tplab peer" kernels; one path per value), and NCCL's own
 environment (NCCL_MAX_CTAS, NCCL_MIN_CTAS, TORCH_NCCL_HIGH_PRIORITY: column `nccl_env`). `--tag` goes into
-the file name, so that launches with different environments keep their own CSV.
+the file name, so that launches with different environments keep their own CSV. `--graphs` times every
+variant (the plain layer too) as a CUDA graph replay (column `cuda_graph`): chunked, a layer is so many
+Python calls that the host falls behind the GPU; `--profile` only prints that (host queueing time against
+GPU time) and torch.profiler's table. Every row checks the timed overlapped layer against the plain one
+(`max_rel_diff`, relative to the output's largest value: bf16 rounding is ~1e-2, a lost or doubled
+all-reduce ~1).
 
 Times: CUDA events around each forward pass, after a barrier; `--warmup` untimed passes, the median of
 `--iters`, the slowest rank's median. Two communication paths, each row says which (`path`):
