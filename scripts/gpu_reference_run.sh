@@ -4,6 +4,7 @@
 #
 #   STAGES="train overlap collectives" bash scripts/gpu_reference_run.sh      # one call
 #   STAGES="models sequence" bash scripts/gpu_reference_run.sh                # the next
+#   NP=8 STAGES="peer collectives models sequence graphs" bash scripts/gpu_reference_run.sh   # TP=8 (issue 10)
 #
 # Stages (each under its own time limit, so one failure does not cost the others):
 #   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
@@ -31,6 +32,8 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD OMP_NUM_THREADS=4
 R=$OUT/results; mkdir -p "$R"
+NP=${NP:-4}                                   # ranks (one per GPU) of the fixed-size stages; NP=8 on an 8-GPU node
+SCALING="1 2 4$( [ "$NP" -gt 4 ] && echo " $NP" )"     # the scaling stages' rank counts
 MPI="mpiexec --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONPATH -x PYTHONUNBUFFERED -x OMP_NUM_THREADS"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpus.txt"
 nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
@@ -52,39 +55,39 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     wait; echo "train: done"; tail -n 2 "$R"/log_train_*.txt ;;
   overlap)
     paths="torch.distributed,tplab copy engine,tplab peer"
-    stage overlap 240 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
-    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n 4 python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,block_mb --paths "$paths" ;;
+    stage overlap 240 $MPI -n $NP python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
+    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n $NP python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,block_mb --paths "$paths" ;;
   contention)
-    stage contention 150 $MPI -n 4 python3 scripts/gpu_contention.py "$R/contention"
-    stage contention_nccl8 90 $MPI -x NCCL_MAX_CTAS=8 -x TORCH_NCCL_HIGH_PRIORITY=1 -n 4 python3 scripts/gpu_contention.py \
+    stage contention 150 $MPI -n $NP python3 scripts/gpu_contention.py "$R/contention"
+    stage contention_nccl8 90 $MPI -x NCCL_MAX_CTAS=8 -x TORCH_NCCL_HIGH_PRIORITY=1 -n $NP python3 scripts/gpu_contention.py \
       "$R/contention" --paths torch.distributed --tag nccl-max-ctas-8 ;;
   microbatch)
-    stage microbatch${MB_TAG:+_$MB_TAG} 300 $MPI ${MB_ENV:-} -n 4 python3 scripts/gpu_overlap.py "$R/microbatch" --layers block_mb \
+    stage microbatch${MB_TAG:+_$MB_TAG} 300 $MPI ${MB_ENV:-} -n $NP python3 scripts/gpu_overlap.py "$R/microbatch" --layers block_mb \
       --chunks 1,2,4 --tails 1,4 --sm-carveouts 0,16 --paths "${MB_PATHS:-torch.distributed,tplab copy engine,tplab peer}" \
       --peer-blocks 16,32 --tag "micro-batches${MB_TAG:+_$MB_TAG}" ;;
   graphs)
-    stage tests_overlap 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n 4 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_overlap.py
-    stage graphs 330 $MPI -n 4 python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers ${GRAPH_LAYERS:-block_mb,stack_mb} \
+    stage tests_overlap 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $NP python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_overlap.py
+    stage graphs 330 $MPI -n $NP python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers ${GRAPH_LAYERS:-block_mb,stack_mb} \
       --chunks 1,2,4 --tails 1,2 --paths "torch.distributed,tplab copy engine,tplab peer" --peer-blocks 32 \
       --repeats ${GRAPH_REPEATS:-2} --tag graphs ;;
   peer)
-    for p in 4 3 2; do
+    for p in $(seq $NP -1 2); do
       stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu
     done
-    stage peer4 200 $MPI -n 4 python3 scripts/gpu_peer_allreduce.py "$R/peer"
+    stage peer$NP 200 $MPI -n $NP python3 scripts/gpu_peer_allreduce.py "$R/peer"
     stage peer2 150 $MPI -n 2 python3 scripts/gpu_peer_allreduce.py "$R/peer" ;;
   sequence4)
-    stage sequence_p4 300 $MPI -n 4 python3 scripts/gpu_sequence_parallel.py "$R/sequence" --modes strong --schemes allgather_kv,ulysses,ring ;;
+    stage sequence_p$NP 300 $MPI -n $NP python3 scripts/gpu_sequence_parallel.py "$R/sequence" --modes strong --schemes allgather_kv,ulysses,ring ;;
   collectives)
-    stage collectives4 150 $MPI -n 4 python3 scripts/gpu_collectives.py --out "$R/coll4" --time-limit 110 --budget 0.2
+    stage collectives$NP 150 $MPI -n $NP python3 scripts/gpu_collectives.py --out "$R/coll$NP" --time-limit 110 --budget 0.2
     stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check
-    stage ipc4 120 $MPI -n 4 python3 scripts/gpu_ipc_allreduce.py "$R/ipc" ;;
+    stage ipc$NP 120 $MPI -n $NP python3 scripts/gpu_ipc_allreduce.py "$R/ipc" ;;
   models)
-    for p in 1 2 4; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
+    for p in $SCALING; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
   sequence)
-    for p in 1 2 4; do stage sequence_p$p 240 $MPI -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
+    for p in $SCALING; do stage sequence_p$p 240 $MPI -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
   syncs)
-    stage syncs 200 $MPI -n 4 python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
+    stage syncs 200 $MPI -n $NP python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
   esac
 done
 tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results && ls -la "$OUT"
