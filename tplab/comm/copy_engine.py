@@ -3,8 +3,8 @@
 Why: NCCL's all-reduce (and peer_memory.py's kernels) move data with kernels, so they take SMs from the
 GEMMs they are meant to overlap with, and each slows the other (notebook 06: 13-20% hidden on 4x H200).
 A GPU also has copy engines (DMA units that move bytes over NVLink without any SM). Here every byte
-between GPUs goes through them; the SMs only add up one block per rank and run two one-block barrier
-kernels, so the GEMMs on the other stream keep the GPU.
+between GPUs goes through them; the SMs only add up one block per rank (and, inside a CUDA graph, run
+one-block barrier kernels), so the GEMMs on the other stream keep the GPU.
 
     two-shot with copy engines, rank r of p, its stream S (p-1 side streams copy concurrently);
     slot q = the q-th block of a rank's shared buffer (half j % 2 on call j):
@@ -17,8 +17,10 @@ kernels, so the GEMMs on the other stream keep the GPU.
 
 The result is bitwise identical on every rank (block q is summed once, by rank q). Two halves of the shared
 buffer alternate between calls: call j+2 may write into half j%2 because call j+1's first barrier proved
-every peer had finished call j. (Pushing the reduce-scatter, not pulling it, spares a copy of the whole
-input into the shared buffer: the peers read only what the copy engines wrote there.) Nothing waits on the host, so calls queue back to back on a side stream.
+every peer had finished call j. Pushing the reduce-scatter, not pulling it, spares a copy of the whole
+input into the shared buffer (the peers read only what the copy engines wrote there): 2.4 ms instead of
+2.9 for the two all-reduces of seed 001's layer on 4x H100. Nothing waits on the host, so calls queue back
+to back on a side stream.
 
 Inside a CUDA graph capture the barriers change. A stream memory operation waits for a number fixed when
 it is queued: a graph's second replay would find the first replay's numbers already there and not wait
@@ -74,6 +76,7 @@ class CopyEngineAllreduce:
         packs = -(-nbytes // PACK)
         block_packs = -(-packs // (p * LINE_PACKS)) * LINE_PACKS
         block = block_packs * PACK                           # bytes per block (the last may be shorter)
+
         def span(q):                                         # block q's bytes: [start, end) within x
             return min(q * block, nbytes), min((q + 1) * block, nbytes)
 
