@@ -75,7 +75,11 @@ def measure(compute, comm, messages, units, carveout, iters, warmup):
     reduce = allreduce_of(comm)
     main, side = torch.cuda.current_stream(), side_stream()
 
+    originals = [m.clone() for m in messages]
+
     def once(do_compute, do_comm):
+        for message, original in zip(messages, originals):  # (all-reduced in place: back to the same values)
+            message.copy_(original)
         torch.cuda.synchronize()
         comm.barrier()
         start, computed, communicated, end = (torch.cuda.Event(enable_timing=True) for _ in range(4))

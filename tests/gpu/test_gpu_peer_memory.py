@@ -121,7 +121,9 @@ def test_copy_engine_replayed_back_to_back_from_a_cuda_graph(calls):
     previous replay's last (copy_engine.py's docstring)."""
     x, values = inputs("float32", 300007)
     outs = [cupy.empty_like(x) for _ in range(calls)]
-    CE.allreduce_(x.copy(), "float")  # (its staging buffer, allocated outside the capture)
+    CE.allreduce_(x.copy(), "float")  # (kernels compiled outside the capture), on another stream than the graph:
+    cupy.cuda.Device().synchronize()  # done everywhere before the replays start
+    COMM.Barrier()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -136,6 +138,30 @@ def test_copy_engine_replayed_back_to_back_from_a_cuda_graph(calls):
     scale = NCCL.builtin_allreduce(cupy.abs(values).astype(cupy.float64))
     for i, out in enumerate(outs):
         agree(close(out.astype(cupy.float64), want, scale, "float32"), f"call {i} of {calls}, after 6 replays")
+
+
+def test_copy_engine_eager_calls_then_a_replay_without_waiting():
+    """A graph replayed right behind eager calls, the last of which used the same half of the buffers as the
+    captured call: the eager call's last barrier must keep the replay from writing what peers still read."""
+    x, values = inputs("float32", 300007)
+    out, eager = cupy.empty_like(x), [x.copy() for _ in range(2)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        CE.allreduce_(x.copy(), "float")  # (kernels compiled outside the capture)
+        stream.begin_capture()
+        out[...] = x
+        CE.allreduce_(out, "float")       # call c: half c % 2
+        graph = stream.end_capture()
+        stream.synchronize()
+        COMM.Barrier()
+        for y in eager:                   # calls c+1, c+2: the last on half c % 2 again
+            CE.allreduce_(y, "float")
+        graph.launch(stream)              # no wait in between
+        stream.synchronize()
+    want = NCCL.builtin_allreduce(values)
+    scale = NCCL.builtin_allreduce(cupy.abs(values).astype(cupy.float64))
+    for name, y in [("eager 1", eager[0]), ("eager 2", eager[1]), ("replay", out)]:
+        agree(close(y.astype(cupy.float64), want, scale, "float32"), name)
 
 
 def test_bad_arguments_raise_on_every_rank():

@@ -241,6 +241,20 @@ def test_micro_batches_through_a_stack_of_blocks_equal_the_blocks_in_turn(chunks
         overlapped(blocks, 2)
 
 
+def test_a_stack_generating_with_kv_caches_runs_each_block_on_its_own_cache():
+    blocks = [small_block(seed=s) for s in range(2)]
+    pipeline, x = overlapped(blocks, 2, split="batch"), replicated(2, 5, 8 * P, seed=12)
+    with torch.no_grad():
+        plain_caches, caches = [{}, {}], [{}, {}]
+        y = x
+        for block, cache in zip(blocks, plain_caches):
+            y = block(y, cache)
+        y2 = pipeline(x, caches)
+    agree(torch.allclose(y, y2, **TOL), f"prefill with caches: {(y - y2).abs().max():.2e}")
+    with pytest.raises(ValueError, match="one cache dict per block"):
+        pipeline(x, {})
+
+
 def test_notebook_check_of_blocks_and_stacks_reports_rounding_only():
     from tplab.overlap import experiments
 

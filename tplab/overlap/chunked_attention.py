@@ -201,12 +201,12 @@ def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):
         return OverlappedAttention(module, chunks)
     if split not in ("sequence", "batch"):
         raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
-    if isinstance(module, (list, tuple, nn.ModuleList)):  # a stack of blocks: micro-batches across the layers
+    if isinstance(module, (list, tuple, nn.ModuleList, nn.Sequential)):  # a stack of blocks: micro-batches across layers
         from tplab.overlap.micro_batches import MicroBatchPipeline
 
         if split != "batch":
             raise ValueError("a stack of blocks is pipelined in micro-batches: pass split='batch'")
-        return MicroBatchPipeline(module, chunks, tail)
+        return MicroBatchPipeline(list(module), chunks, tail)
     if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
         if split == "batch":
             from tplab.overlap.micro_batches import MicroBatchPipeline

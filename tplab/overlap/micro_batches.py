@@ -18,8 +18,9 @@ pieces of tokens (the MLP works token by token), so that only 1/t of it waits.
     y = pipeline(x)                                   # = the blocks applied in turn, to rounding
 
 The all-reduces are tplab.overlap's nonblocking ones: a progress thread on CPU ranks, a side stream
-with events on GPUs. Autograd flows through (backward is not overlapped). Exact: each micro-batch's
-arithmetic is the plain block's on its rows.
+with events on GPUs. Autograd flows through (backward is not overlapped). Each micro-batch gets the plain
+block's arithmetic on its rows, so the result equals the blocks applied in turn to rounding (smaller GEMMs
+may round differently; on CPU ranks it is usually bit for bit).
 """
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ class MicroBatchPipeline(nn.Module):
         return self.blocks[0].attention.comm
 
     def forward(self, x, cache=None):  # x: (b, s, h), the same on every rank
-        if cache is not None:  # one token at a time: nothing to pipeline
-            for block in self.blocks:
-                x = x + block.attention(block.norm1(x), cache)
+        if cache is not None:  # generation with KV caches (one dict per block): run the blocks as they are
+            caches = [cache] if isinstance(cache, dict) and len(self.blocks) == 1 else cache
+            if isinstance(caches, dict) or len(caches) != len(self.blocks):
+                raise ValueError(f"MicroBatchPipeline of {len(self.blocks)} blocks: pass one cache dict per block "
+                                 "(a list), as ParallelGPT keeps them")
+            for block, block_cache in zip(self.blocks, caches):
+                x = x + block.attention(block.norm1(x), block_cache)
                 x = x + block.mlp(block.norm2(x))
             return x
         bounds = chunk_bounds(x.shape[0], self.chunks)
