@@ -39,7 +39,7 @@ from tplab.layers.mappings import copy_to_tensor_parallel_region
 from tplab.overlap import trace
 from tplab.overlap.chunked_mlp import OverlappedMLP
 from tplab.overlap.nonblocking import iallreduce
-from tplab.overlap.pipeline import arrived, chunk_bounds, count, identity
+from tplab.overlap.pipeline import InFlight, arrived, chunk_bounds, count, identity, start_mlp
 
 
 def _tensor_parallel_only(attention, what):
@@ -141,31 +141,23 @@ class OverlappedBlock(nn.Module):
         bounds = chunk_bounds(x.shape[1], self.chunks)
         with trace.span("QKV projection"):
             blocks = _QueryBlocks(a, xa)                    # every query block needs every key
-        attn, mlp_out = [], []  # per chunk: (partial, handle); (x1, [(partial, handle) per piece])
+        attn, mlp_out = [], []  # per chunk: rows in flight after its attention, after its MLP
+
+        def rows(t, i):  # (b, s_i, h)
+            return t[:, bounds[i][0]:bounds[i][1]]
 
         def attention_chunk(i):
             with trace.span(f"attention q-block {i}"):
                 partial = blocks.partial(*bounds[i])  # (b, s_i, h)
             count("allreduce")
-            attn.append((partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check)))
+            handle = iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check)
+            attn.append(InFlight(rows(x, i), [(partial, handle)], a.o_bias))
 
         def mlp_chunk(i):  # needs chunk i's attention all-reduce: started one attention chunk ago
-            partial, handle = attn[i]
-            y = arrived(partial, handle.wait(), identity)
-            y = y + a.o_bias if a.o_bias is not None else y
-            x1 = x[:, bounds[i][0]:bounds[i][1]] + y  # (b, s_i, h): after the attention residual
-            hidden = copy_to_tensor_parallel_region(self.norm2(x1), mlp.comm, mlp.algorithm)  # f of the MLP
-            tokens = hidden.reshape(-1, hidden.shape[-1])  # (n_i, h)
             # The last chunk's all-reduce is the one nothing overlaps: cut its MLP into `tail` pieces of
             # tokens, so that only the last piece's all-reduce is left waiting at the end.
-            pieces = chunk_bounds(tokens.shape[0], self.tail) if i == len(bounds) - 1 else [(0, tokens.shape[0])]
-            started = []
-            for j, (start, end) in enumerate(pieces):
-                with trace.span(f"MLP chunk {i}" + (f" piece {j}" if len(pieces) > 1 else "")):
-                    part = self._mlp.partial(tokens[start:end])  # (n_ij, h): this rank's share of the sum
-                count("allreduce")
-                started.append((part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
-            mlp_out.append((x1, started))
+            pieces = self.tail if i == len(bounds) - 1 else 1
+            mlp_out.append(start_mlp(self._mlp, self.norm2, attn[i].landed(), pieces, f"MLP chunk {i}"))
 
         for i in range(len(bounds)):
             attention_chunk(i)
@@ -175,14 +167,12 @@ class OverlappedBlock(nn.Module):
         # Chunk by chunk, in order: the residual adds of the early chunks run while the last all-reduce does.
         # Without autograd they write straight into the output (no concatenation at the end: one pass fewer
         # over the whole activation).
-        out = None if torch.is_grad_enabled() else torch.empty_like(x)
-        outs = []
-        for i, (x1, started) in enumerate(mlp_out):
-            ys = [arrived(part, handle.wait(), identity) for part, handle in started]
-            y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(x1.shape)  # (b, s_i, h)
-            y = y + mlp.down.bias if mlp.down.bias is not None else y
-            outs.append(x1 + y if out is None else torch.add(x1, y, out=out[:, bounds[i][0]:bounds[i][1]]))
-        return torch.cat(outs, dim=1) if out is None else out  # (b, s, h)
+        if torch.is_grad_enabled():
+            return torch.cat([flight.landed() for flight in mlp_out], dim=1)  # (b, s, h)
+        out = torch.empty_like(x)
+        for i, flight in enumerate(mlp_out):
+            flight.landed(out=rows(out, i))
+        return out
 
 
 def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):

@@ -33,25 +33,7 @@ from tplab.layers.mappings import copy_to_tensor_parallel_region
 from tplab.overlap import trace
 from tplab.overlap.chunked_mlp import OverlappedMLP
 from tplab.overlap.nonblocking import iallreduce
-from tplab.overlap.pipeline import arrived, chunk_bounds, count, identity
-
-
-class _InFlight:
-    """A micro-batch between two steps: its residual stream ``x`` and the all-reduces of the partial
-    output to be added to it (one, or one per piece of tokens), plus the bias that follows the sum."""
-
-    def __init__(self, x, started=(), bias=None):
-        self.x, self.started, self.bias = x, list(started), bias
-
-    def landed(self, out=None):
-        """x + the reduced output: the micro-batch's residual stream after this half-block (b_i, s, h),
-        written into ``out`` if given."""
-        if not self.started:
-            return self.x if out is None else out.copy_(self.x)
-        ys = [arrived(part, handle.wait(), identity) for part, handle in self.started]
-        y = (ys[0] if len(ys) == 1 else torch.cat(ys)).view(self.x.shape)
-        y = y + self.bias if self.bias is not None else y
-        return self.x + y if out is None else torch.add(self.x, y, out=out)
+from tplab.overlap.pipeline import InFlight, chunk_bounds, count, start_mlp
 
 
 class MicroBatchPipeline(nn.Module):
@@ -85,7 +67,7 @@ class MicroBatchPipeline(nn.Module):
                 x = x + block.mlp(block.norm2(x))
             return x
         bounds = chunk_bounds(x.shape[0], self.chunks)
-        flights = [_InFlight(x[a:b]) for a, b in bounds]  # (b_i, s, h) each: micro-batches share no rows
+        flights = [InFlight(x[a:b]) for a, b in bounds]  # (b_i, s, h) each: micro-batches share no rows
         steps = [(block, half) for block in range(len(self.blocks)) for half in ("attention", "mlp")]
         for n, (block, half) in enumerate(steps):
             for i, flight in enumerate(flights):
@@ -110,15 +92,6 @@ class MicroBatchPipeline(nn.Module):
             with trace.span(f"block {index} attention, micro-batch {micro_batch}"):
                 partial = _QueryBlocks(a, xa).partial(0, x.shape[1])  # (b_i, s, h)
             count("allreduce")
-            return _InFlight(x, [(partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check))],
-                             a.o_bias)
-        mlp = block.mlp
-        hidden = copy_to_tensor_parallel_region(block.norm2(x), mlp.comm, mlp.algorithm)  # f of the MLP
-        tokens = hidden.reshape(-1, hidden.shape[-1])  # (n_i, h)
-        started = []
-        for j, (start, end) in enumerate(chunk_bounds(tokens.shape[0], pieces)):
-            with trace.span(f"block {index} MLP, micro-batch {micro_batch}" + (f" piece {j}" if pieces > 1 else "")):
-                part = self._mlps[index].partial(tokens[start:end])  # (n_ij, h): this rank's share of the sum
-            count("allreduce")
-            started.append((part, iallreduce(part.detach(), mlp.comm, algorithm=mlp.algorithm, check=check)))
-        return _InFlight(x, started, mlp.down.bias)
+            return InFlight(x, [(partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check))],
+                        a.o_bias)
+        return start_mlp(self._mlps[index], block.norm2, x, pieces, f"block {index} MLP, micro-batch {micro_batch}")
