@@ -18,7 +18,7 @@ import numpy as np
 
 import tplab
 from tplab.comm import world
-from tplab.ops import ReduceOp
+from tplab.toolkit.ops import ReduceOp
 
 comm = world()
 p, r = comm.size, comm.rank

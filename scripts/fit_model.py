@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from tplab.bench import sweep
+from tplab.lab.bench import sweep
 from tplab.comm import world
 from tplab.cost import compare, fit_on, fit_on_timings, fit_step
 

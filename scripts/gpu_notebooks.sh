@@ -109,7 +109,7 @@ import os, subprocess, time
 from pathlib import Path
 
 from tplab.cluster import Cluster, engine_rank, stop_cluster
-from tplab.demo import execute_notebooks
+from tplab.lab.demo import execute_notebooks
 
 out, ranks, device = Path(os.environ["R"]), int(os.environ["RANKS"]), os.environ["DEVICE"]
 wanted = os.environ["NOTEBOOKS"].split()

@@ -175,13 +175,13 @@ def tplab_gpu_paths(names: str, peer_blocks: str, nbytes: int) -> dict:
     "tplab copy engine", "tplab peer" (one per grid size in ``peer_blocks``), "tplab ring" (over NCCL)."""
     paths = {}
     if "tplab copy engine" in names:  # bytes moved by copy engines, flags between rounds
-        from tplab.comm.copy_engine import CopyEngineAllreduce
+        from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce
 
         paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
         if WORLD.rank == 0:
             print(f"tplab copy engine: barriers by {paths['tplab copy engine'].stream_barriers.kind}", flush=True)
     if "tplab peer" in names:  # the two-shot peer-memory kernel (SMs move the bytes)
-        from tplab.comm.peer_memory import PeerMemory
+        from tplab.gpu_collectives.peer_memory import PeerMemory
 
         for i, blocks in enumerate(int(b) for b in peer_blocks.split(",")):  # few blocks: SMs left to GEMMs
             paths[f"tplab peer{f' ({blocks} blocks)' if i else ''}"] = peer = PeerMemory(WORLD, nbytes, blocks=blocks)
@@ -362,7 +362,7 @@ def main():
     import matplotlib
 
     matplotlib.use("Agg")
-    from tplab.plots import plot_timeline
+    from tplab.lab.plots import plot_timeline
 
     by_batch = "block_mb" in args.layers.split(",")  # the timeline of the best-placed variant measured
     chunked = overlapped(block, min(4, args.batch) if by_batch else 4, split="batch" if by_batch else "sequence",

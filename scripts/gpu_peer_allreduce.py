@@ -2,7 +2,7 @@
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python3 scripts/gpu_peer_allreduce.py OUT_DIR [--quick]
 
-Implementations (tplab.comm.peer_memory, tplab.comm.copy_engine; NCCL through CuPy's binding, no wrapper):
+Implementations (tplab.gpu_collectives.peer_memory, tplab.gpu_collectives.copy_engine; NCCL through CuPy's binding, no wrapper):
 
     nccl            ncclAllReduce
     one_shot        peer memory, flags in GPU memory, one kernel: every rank reads all p buffers
@@ -41,10 +41,10 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import tplab  # noqa: E402
-from tplab.bfloat16 import narrow, widen  # noqa: E402
+from tplab.toolkit.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
-from tplab.comm.peer_memory import PeerMemory  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
 COMM = MPI.COMM_WORLD
 P, R = COMM.size, COMM.rank

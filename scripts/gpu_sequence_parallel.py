@@ -15,7 +15,7 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     staged_mpi    the same with the MPI library's own MPI_Allgatherv on the host copies
     direct_ring   tplab's ring all-gather over tplab.comm.nccl (NCCL send/recv, GPU to GPU over NVLink)
     direct_nccl   NCCL's own all-gather (ncclAllGather) through the same communicator: the vendor
-    direct_peer   tplab's peer-memory all-gather (tplab.comm.peer_memory: CUDA IPC, flags in GPU memory,
+    direct_peer   tplab's peer-memory all-gather (tplab.gpu_collectives.peer_memory: CUDA IPC, flags in GPU memory,
                   every peer read at once in one kernel)
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Timing: CUDA events around each forward
@@ -133,7 +133,7 @@ def torch_distributed_allgather(host, device):
 
 
 def peer_gather(peers):
-    """tplab.comm.peer_memory's all-gather as a ``gather`` of tplab.sequence: (m, ...) -> (p·m, ...)."""
+    """tplab.gpu_collectives.peer_memory's all-gather as a ``gather`` of tplab.sequence: (m, ...) -> (p·m, ...)."""
     def gather(x, comm):
         return peers.allgather_torch(x)
     return gather
@@ -304,7 +304,7 @@ def main():
     peers = None
     if nccl is not None and host.size > 1:
         try:                                          # the largest K or V shard: weak scaling, float32
-            from tplab.comm.peer_memory import PeerMemory
+            from tplab.gpu_collectives.peer_memory import PeerMemory
 
             peers = PeerMemory(host.mpi if hasattr(host, "mpi") else MPI.COMM_WORLD,
                                args.batch * args.seq * args.hidden * 4)

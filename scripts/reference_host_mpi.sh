@@ -12,7 +12,7 @@ rm -f "$out"
 for p in $ranks; do
   # correctness first: every algorithm against MPI_Allreduce on this machine, on every rank
   $MPIEXEC -n "$p" python3 -c "
-import tplab.verify as v
+import tplab.lab.verify as v
 from mpi4py import MPI
 assert MPI.COMM_WORLD.size == $p, 'mpi4py is not using the MPI of this mpiexec (every rank sees size 1)'
 rows = v.allreduce_table()

@@ -12,7 +12,7 @@ trained with nanoGPT's shakespeare_char recipe (tplab.fewer_syncs.train). Writes
 
 with a ``machine`` column naming the device, and prints the table (final validation loss next to seed
 002's claim of ~1.45-1.50 for all four, time per training step, all-reduces per forward pass).
-Text: --data-dir, else TPLAB_DATA_DIR, the cache, or a download (tplab.data).
+Text: --data-dir, else TPLAB_DATA_DIR, the cache, or a download (tplab.lab.data).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from tplab.data import CharData, tiny_shakespeare
+from tplab.lab.data import CharData, tiny_shakespeare
 from tplab.fewer_syncs import PATTERNS, SEED_002_COMMUNICATIONS, SimulatedRanks, TrainConfig, train
-from tplab.machine import cpu_model
+from tplab.toolkit.machine import cpu_model
 
 
 def machine_name(device: str) -> str:

@@ -125,7 +125,7 @@ def test_run_df_makes_one_row_per_rank(cluster):
 
 
 def test_gpu_questions_on_engines_without_gpus(cluster):
-    from tplab.devices import gpu_count
+    from tplab.comm.devices import gpu_count
 
     if any(cluster.run(gpu_count)):
         pytest.skip("these engines see a GPU")

@@ -1,4 +1,4 @@
-"""tplab.demo: notebooks executed headless by papermill, against a real MPI cluster for run_demo.
+"""tplab.lab.demo: notebooks executed headless by papermill, against a real MPI cluster for run_demo.
 
 The fixture notebooks are in tests/fixtures/notebooks/: ``allreduce`` (connects with connect_or_start,
 runs tplab.allreduce on every rank, writes a CSV and a figure), ``fails`` (raises), ``plain`` (no cluster).
@@ -12,7 +12,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from tplab.demo import DEMO_CLUSTER_ID, execute_notebooks, run_demo
+from tplab.lab.demo import DEMO_CLUSTER_ID, execute_notebooks, run_demo
 
 pytestmark = pytest.mark.slow
 

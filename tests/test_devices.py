@@ -1,4 +1,4 @@
-"""GPU binding and device choice (tplab.devices, tplab.cluster.gpus) on a machine without GPUs, and the
+"""GPU binding and device choice (tplab.comm.devices, tplab.cluster.gpus) on a machine without GPUs, and the
 logic that picks "gpu" for engines that have them (with canned answers from the engines).
 
 The GPU branch itself runs on a GPU machine: tests/gpu/test_gpu_notebook_paths.py and scripts/gpu_notebooks.sh.
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tplab import devices
+from tplab.comm import devices
 from tplab.cluster import ClusterError, gpus
 from tplab.cluster.processes import mpiexec_args
 
@@ -33,11 +33,11 @@ def test_without_gpus_binding_says_none_and_changes_nothing():
     assert info["device"] is None and info["name"] is None
     assert info["rank"] == 0 and info["local_rank"] == 0 and info["local_size"] >= 1
     assert devices.bind_local_gpu() == info and devices.bound_gpu() is None and devices.use_bound_gpu() is None
-    from tplab.comm import world
+    from tplab.comm import communicator, world
 
-    assert devices.communicator("cpu") is world()
+    assert communicator("cpu") is world()
     with pytest.raises(RuntimeError, match="sees no GPU"):
-        devices.communicator("gpu")
+        communicator("gpu")
     from tplab.comm.nccl import bind_local_gpu  # nccl_world's binding: the same place, a clear error
 
     with pytest.raises(RuntimeError, match="0 visible GPU"):

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tplab import data  # noqa: E402
-from tplab.data import CharData, tiny_shakespeare, tiny_shakespeare_path  # noqa: E402
+from tplab.lab import data  # noqa: E402
+from tplab.lab.data import CharData, tiny_shakespeare, tiny_shakespeare_path  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 needs_shakespeare = pytest.mark.skipif(not SHARED.is_file(), reason=f"no local copy at {SHARED}")

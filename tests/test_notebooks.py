@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from tplab.cluster import Cluster
-from tplab.demo import execute_notebooks
+from tplab.lab.demo import execute_notebooks
 
 pytestmark = pytest.mark.slow
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))

@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tplab
-from tplab.blocks import block_bounds, block_counts
+from tplab.toolkit.blocks import block_bounds, block_counts
 from tplab.collectives import auto
 from tplab.collectives.fold import PowerOfTwoFold
-from tplab.ops import OPS, get_op
+from tplab.toolkit.ops import OPS, get_op
 
 
 @given(count=st.integers(0, 10_000), parts=st.integers(1, 64))
@@ -74,7 +74,7 @@ def test_peer_memory_algorithms_need_a_gpu_communicator_with_peer_memory():
 def test_peer_memory_kernels_ship_with_the_package():
     from importlib.resources import files
 
-    source = files("tplab.comm").joinpath("peer_allreduce.cu").read_text()
+    source = files("tplab.gpu_collectives").joinpath("peer_allreduce.cu").read_text()
     for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
 
@@ -91,7 +91,7 @@ def test_peer_memory_auto_table_picks_by_size():
     measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
     from types import SimpleNamespace
 
-    from tplab.comm.peer_memory import DEFAULT_TABLE, PeerMemory
+    from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE))
     assert [PeerMemory.choose(pm, n) for n in (1024, 1 << 20, (1 << 20) + 16, 16 << 20, 256 << 20)] == \

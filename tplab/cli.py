@@ -7,7 +7,7 @@
     mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 256M -b 1K -e 256M -f 4 \
         -a builtin,ring,peer_one_shot,peer_two_shot,peer_ring,auto
                                      the same on a GPU node: one rank per GPU, NCCL as the built-in, and
-                                     the peer-memory kernels (tplab.comm.peer_memory) next to it
+                                     the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from tplab.demo import run_demo
+    from tplab.lab.demo import run_demo
 
     return run_demo(ranks=args.ranks, out=args.out, notebooks=args.notebooks, timeout=args.timeout)
 
@@ -55,9 +55,9 @@ def parse_size(text: str) -> int:
 
 def cmd_bench(args) -> int:
     import tplab
-    from tplab.bench import sweep
+    from tplab.lab.bench import sweep
     from tplab.collectives import PEER_ALLREDUCE
-    from tplab.devices import communicator
+    from tplab.comm import communicator
 
     comm = communicator(args.device)            # host MPI, or NCCL on each rank's GPU
     known = list(tplab.ALGORITHMS[args.collective])

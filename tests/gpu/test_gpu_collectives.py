@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
 import tplab  # noqa: E402
-from tplab.blocks import block_bounds  # noqa: E402
+from tplab.toolkit.blocks import block_bounds  # noqa: E402
 from tplab.comm import StagedComm, nccl_world, world  # noqa: E402
 
 P = COMM.size

@@ -17,11 +17,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from mpitest import COMM, agree  # noqa: E402
 
-import tplab.bench  # noqa: E402
-import tplab.verify  # noqa: E402
-from tplab import devices  # noqa: E402
+import tplab.lab.bench  # noqa: E402
+import tplab.lab.verify  # noqa: E402
+from tplab.comm import devices  # noqa: E402
 from tplab.collectives.snapshots import trace_allreduce  # noqa: E402
-from tplab.comm import nccl_world  # noqa: E402
+from tplab.comm import communicator, nccl_world  # noqa: E402
 
 P = COMM.size
 
@@ -32,7 +32,7 @@ def test_each_rank_is_bound_to_the_gpu_of_its_node_local_rank():
     import cupy
 
     agree(cupy.cuda.runtime.getDevice() == info["device"] == torch.cuda.current_device(), "current device")
-    agree(devices.communicator("gpu") is nccl_world(), "the GPU communicator is nccl_world()")
+    agree(communicator("gpu") is nccl_world(), "the GPU communicator is nccl_world()")
 
 
 def test_pictures_are_the_same_on_gpus():
@@ -44,15 +44,15 @@ def test_pictures_are_the_same_on_gpus():
 
 
 def test_correctness_table_and_traffic_on_gpus():
-    rows = tplab.verify.allreduce_table(counts=[0, 1, 2 * P + 1, 1000], device="gpu")
+    rows = tplab.lab.verify.allreduce_table(counts=[0, 1, 2 * P + 1, 1000], device="gpu")
     agree(all(r["ok"] for r in rows), str([r for r in rows if not r["ok"]][:3]))
-    agree(tplab.verify.count_traffic(device="gpu") == tplab.verify.count_traffic(device="cpu"), "bytes counted")
+    agree(tplab.lab.verify.count_traffic(device="gpu") == tplab.lab.verify.count_traffic(device="cpu"), "bytes counted")
 
 
 def test_sweeps_time_gpu_arrays_against_nccl():
-    rows = tplab.bench.sweep("allreduce", ["ring", "rabenseifner", "builtin"], [8, 1 << 20], iters=3, device="gpu")
+    rows = tplab.lab.bench.sweep("allreduce", ["ring", "rabenseifner", "builtin"], [8, 1 << 20], iters=3, device="gpu")
     agree(len(rows) == 6 and all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows), str(rows))
-    osu = tplab.bench.sweep("allreduce", ["ring"], [64], osu=True, device="gpu")
+    osu = tplab.lab.bench.sweep("allreduce", ["ring"], [64], osu=True, device="gpu")
     agree(osu[0]["wrong"] == 0 and osu[0]["iters"] == 1000 and osu[0]["time_us"] > 0, str(osu))
 
 

@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
-from tplab.comm.peer_memory import PeerMemory  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.overlap import overlapped, with_comm  # noqa: E402
 from tplab.overlap.experiments import make_block  # noqa: E402

@@ -1,5 +1,5 @@
-"""The flag-synchronised peer-memory all-reduces (tplab.comm.peer_memory) and the copy-engine all-reduce
-(tplab.comm.copy_engine) against NCCL: integers exactly, floats within rounding, bfloat16 too, bitwise
+"""The flag-synchronised peer-memory all-reduces (tplab.gpu_collectives.peer_memory) and the copy-engine all-reduce
+(tplab.gpu_collectives.copy_engine) against NCCL: integers exactly, floats within rounding, bfloat16 too, bitwise
 identical on every rank, buffers and flags reused call after call, in place on the shared buffer, inside
 a CUDA graph, and clear errors on every rank for bad arguments. (scripts/gpu_peer_allreduce.py runs the
 same checks over more sizes before it times.)"""
@@ -13,10 +13,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
-from tplab.bfloat16 import narrow, widen  # noqa: E402
+from tplab.toolkit.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.comm.copy_engine import CopyEngineAllreduce  # noqa: E402
-from tplab.comm.peer_memory import PeerMemory  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
 P = COMM.size
 NCCL = nccl_world()

@@ -5,7 +5,7 @@ import pytest
 from mpitest import COMM, agree, same_on_every_rank
 
 import tplab
-import tplab.bench as bench
+import tplab.lab.bench as bench
 from tplab.comm import world
 
 P = COMM.size

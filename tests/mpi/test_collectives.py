@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mpitest import COMM, abort_on_exception, agree, rearm_watchdog, same_on_every_rank
 
 import tplab
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 from tplab.collectives.snapshots import recording
 from tplab.comm import world
 

@@ -12,7 +12,7 @@ import pytest
 from mpitest import COMM, agree
 
 import tplab
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 from tplab.comm import EmulatedNetwork, MPIComm
 
 P = COMM.size

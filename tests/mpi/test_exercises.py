@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from mpitest import COMM, agree
 
-from tplab.blocks import block_bounds
-from tplab.exercises import check_allreduce, format_report
+from tplab.toolkit.blocks import block_bounds
+from tplab.lab.exercises import check_allreduce, format_report
 
 P = COMM.size
 CASES = [("p elements", P, "int64"), ("odd", 2 * P + 1, "float64"), ("large", 1 << 17, "float64")]

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import torch._dynamo  # noqa: E402, F401
 
 from tplab.comm import world  # noqa: E402
-from tplab.data import CharData  # noqa: E402
+from tplab.lab.data import CharData  # noqa: E402
 from tplab.fewer_syncs import (  # noqa: E402
     PATTERNS,
     FewerSyncsGPT,

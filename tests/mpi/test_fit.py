@@ -5,7 +5,7 @@ import math
 
 from mpitest import COMM, agree, same_on_every_rank
 
-from tplab.bench import sweep
+from tplab.lab.bench import sweep
 from tplab.comm import MPIComm
 from tplab.cost import Machine, compare, fit_on, measure_exchange
 

@@ -24,7 +24,7 @@ from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.schedulers import list_schedule, longest_first, makespan
 from tplab.balance.workloads import describe, make_requests
 from tplab.balance.workqueue import guided_chunks
-from tplab.machine import cpu_model
+from tplab.toolkit.machine import cpu_model
 
 
 def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048, seed=0, dtype="float32"):

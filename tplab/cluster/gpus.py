@@ -1,7 +1,7 @@
 """GPUs for a cluster's engines: which engines see one, each engine bound to its own, the machine named.
 
 One engine per GPU, as one MPI rank per GPU everywhere in tplab: engine (rank) r takes the GPU of its
-node-local rank (``tplab.devices.bind_local_gpu``; across nodes too). These are the functions behind the
+node-local rank (``tplab.comm.devices.bind_local_gpu``; across nodes too). These are the functions behind the
 Cluster methods a notebook calls:
 
     cluster.has_gpus()                 True when every engine sees a GPU
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 
-from tplab import devices
+from tplab.comm import devices
+from tplab.toolkit import machine
 from tplab.cluster.failures import ClusterError
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -77,7 +78,7 @@ def describe(cluster, gpus) -> tuple[str, str]:
         raise ClusterError("no engine is bound to a GPU: call cluster.bind_gpus() on a machine with GPUs")
     nodes = gpus["host"].nunique()
     cards = " + ".join(f"{int((gpus['name'] == name).sum())}x {name}" for name in names)
-    software = cluster.run(devices.software)[0]
+    software = cluster.run(machine.software)[0]
     machine = f"{cards} ({nodes} node{'s' if nodes > 1 else ''}), one engine per GPU; {software}"
     return machine, file_tag(gpus)
 

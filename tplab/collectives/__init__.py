@@ -10,7 +10,7 @@
 
 Each takes numpy arrays (any shape, contiguous or not), CuPy arrays or torch tensors (CPU, or CUDA with
 bfloat16 too), leaves ``x`` unchanged and returns a new array of the same kind. GPU data stay on the GPU
-(``tplab.arrays``) and need a transport that moves GPU memory (``tplab.comm.nccl_world()``,
+(``tplab.toolkit.arrays``) and need a transport that moves GPU memory (``tplab.comm.nccl_world()``,
 ``tplab.comm.StagedComm``). ``check=False`` skips the cross-rank argument agreement (for benchmarks).
 The algorithms themselves are in ring.py, recursive.py, binomial.py, naive.py and hierarchical.py.
 """
@@ -32,10 +32,10 @@ from tplab.collectives.recursive import (
     recursive_halving_reduce_scatter,
 )
 from tplab.collectives.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
-from tplab.arrays import array_module, as_array, gpu_scope
-from tplab.bfloat16 import bfloat16_op
-from tplab.blocks import block_bounds, offsets
-from tplab.ops import get_op
+from tplab.toolkit.arrays import array_module, as_array, gpu_scope
+from tplab.toolkit.bfloat16 import bfloat16_op
+from tplab.toolkit.blocks import block_bounds, offsets
+from tplab.toolkit.ops import get_op
 
 ALGORITHMS = {
     "allreduce": ("naive", "ring", "recursive_doubling", "rabenseifner", "tree", "hierarchical", "builtin", "auto"),
@@ -44,12 +44,12 @@ ALGORITHMS = {
     "broadcast": ("binomial", "builtin", "auto"),
     "reduce": ("binomial", "builtin", "auto"),
 }
-# GPU all-reduces by peer-memory kernels (tplab.comm.peer_memory), for a communicator with peer memory
+# GPU all-reduces by peer-memory kernels (tplab.gpu_collectives.peer_memory), for a communicator with peer memory
 # attached; not algorithms over send/recv, so not in ALGORITHMS (whose entries run on every transport).
 PEER_ALLREDUCE = ("peer_one_shot", "peer_two_shot", "peer_ring")
 
 
-# ---- numpy or CuPy in, the caller's type out (tplab.arrays) -------------------------------------------------
+# ---- numpy or CuPy in, the caller's type out (tplab.toolkit.arrays) -------------------------------------------------
 def _flat_input(arr):
     """x as a flat, contiguous, native-endian array: a view of x when it already is one (read only)."""
     if type(arr) is not np.ndarray:  # CuPy: always native-endian
@@ -75,7 +75,7 @@ def _on_the_gpu(x, arr, comm):
 
 def _ops(op, bfloat16: bool):
     """(op for the algorithms, op for the built-in): the bfloat16 variant where the array holds bf16 bits
-    (tplab.bfloat16), which the built-in needs to be told about too."""
+    (tplab.toolkit.bfloat16), which the built-in needs to be told about too."""
     if bfloat16:
         reduce_op = bfloat16_op(op)
         return reduce_op, reduce_op
@@ -118,7 +118,7 @@ def _resolve(collective, algorithm, nbytes, count, p):
     return chosen
 
 
-# Each public function converts x (tplab.arrays), checks the arguments on every rank, and runs the body
+# Each public function converts x (tplab.toolkit.arrays), checks the arguments on every rank, and runs the body
 # directly for host arrays, or inside the GPU's device and stream scope for GPU arrays.
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
@@ -139,7 +139,7 @@ def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
 
 
 def _peer_allreduce(x, arr, back, bf16, comm, op, algorithm):
-    """The peer-memory kernels (tplab.comm.peer_memory): one kernel per all-reduce, flags in GPU memory."""
+    """The peer-memory kernels (tplab.gpu_collectives.peer_memory): one kernel per all-reduce, flags in GPU memory."""
     peers = getattr(comm, "peers", None)
     if peers is None or type(arr) is np.ndarray or op != "sum":
         raise CollectiveArgumentError(

@@ -11,7 +11,7 @@ caught, on the ranks that have them.
 
 from __future__ import annotations
 
-from tplab.ops import OPS
+from tplab.toolkit.ops import OPS
 
 SUPPORTED_KINDS = "iuf"  # signed and unsigned integers, floating point
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 from tplab.collectives import snapshots
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce
 from tplab.collectives.ring import ring_allgather_blocks, ring_allreduce, ring_reduce_scatter_blocks

@@ -18,8 +18,8 @@ range they own in the vector, which is how the same loops serve allreduce, reduc
 
 from __future__ import annotations
 
-from tplab.arrays import array_module
-from tplab.blocks import block_bounds
+from tplab.toolkit.arrays import array_module
+from tplab.toolkit.blocks import block_bounds
 from tplab.collectives.fold import PowerOfTwoFold
 from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot

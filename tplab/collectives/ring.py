@@ -20,7 +20,7 @@ is written before it is read. (Copying the input first would cost a pass over n 
 
 from __future__ import annotations
 
-from tplab.arrays import array_module
+from tplab.toolkit.arrays import array_module
 from tplab.collectives.scratch import scratch
 from tplab.collectives.snapshots import snapshot
 

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from tplab.arrays import array_module
+from tplab.toolkit.arrays import array_module
 
 _buffers: dict[tuple, np.ndarray] = {}
 

@@ -10,7 +10,7 @@ lines the ranks up in a picture: wall-clock order would not, when ranks outnumbe
     steps   # [("start", array, 0), ("reduce-scatter step 1", array, 1), ...]
 
 Run it with x = 2**rank (integers, op "sum"): every element of a snapshot is then a bit mask of the
-ranks whose contributions it already holds. ``tplab.plots.draw_steps`` turns that into the picture.
+ranks whose contributions it already holds. ``tplab.lab.plots.draw_steps`` turns that into the picture.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ def trace_allreduce(algorithm: str, count: int | None = None, comm=None, ranks: 
     steps as ``{"rank": r, "size": p, "steps": [(label, [mask, ...], round), ...]}``. Call it on every
     rank. ``ranks=k`` runs it on the first k ranks only (a sub-communicator; the others return None),
     which is how a notebook shows p = 3 on a cluster of 4. ``device="gpu"``: on each rank's GPU over
-    NCCL (tplab.devices.communicator), the snapshots copied back to the host.
+    NCCL (tplab.comm.communicator), the snapshots copied back to the host.
 
     Each number is a bit mask: bit j set <=> rank j's contribution is included in that element."""
     import numpy as np
 
     import tplab
-    from tplab.devices import communicator, to_device, to_host
+    from tplab.comm import communicator
+    from tplab.comm.devices import to_device, to_host
 
     comm = comm or communicator(device)
     if ranks is not None:

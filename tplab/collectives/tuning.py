@@ -11,7 +11,7 @@ reads: with 4 ranks, up to 2048 bytes use recursive doubling, above that Rabense
 missing from the table uses the nearest one present (on a log scale); a collective missing from it
 falls back to MPICH's rules (auto.py).
 
-    table = table_from_rows(rows)              # rows from tplab.bench.sweep
+    table = table_from_rows(rows)              # rows from tplab.lab.bench.sweep
     save_table(table, "data/tuning_mymachine.json")
     use_table("data/tuning_mymachine.json")    # on every rank (cluster.run(use_table, path) in a notebook)
 """

@@ -3,6 +3,7 @@
 GPU memory: ``nccl_world()`` (NCCL, one rank per GPU) and ``StagedComm`` (MPI through host buffers); both
 import CuPy only when used."""
 
+from tplab.comm.devices import bind_local_gpu, is_gpu, use_bound_gpu
 from tplab.comm.base import Communicator, CommTimeoutError, Request
 from tplab.comm.emulated import EmulatedNetwork
 from tplab.comm.mpi import MPIComm
@@ -23,5 +24,16 @@ def world(timeout: float | None = None) -> MPIComm:
     return _world
 
 
+def communicator(device="cpu"):
+    """The Communicator for ``device``: ``tplab.comm.world()`` (host MPI) for "cpu"; for "gpu" the bound GPU
+    and ``tplab.comm.nccl_world()`` (NCCL point-to-point, CuPy arrays / CUDA tensors). Collective the
+    first time on each rank."""
+    if not is_gpu(device):
+        return world()
+    if use_bound_gpu() is None:
+        raise RuntimeError(f"rank {bind_local_gpu()['rank']}: device 'gpu' asked for, but this process sees no GPU")
+    return nccl_world()
+
+
 __all__ = ["Communicator", "CommTimeoutError", "EmulatedNetwork", "MPIComm", "NcclComm", "Request", "StagedComm",
-           "nccl_world", "world"]
+           "communicator", "nccl_world", "world"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 
 ALGORITHMS = ("one_shot", "two_shot")
 

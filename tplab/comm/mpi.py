@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from tplab.blocks import block_counts, offsets
+from tplab.toolkit.blocks import block_counts, offsets
 from tplab.comm.base import Communicator, CommTimeoutError, checked_ranks_per_node
-from tplab.ops import get_op
+from tplab.toolkit.ops import get_op
 
 
 class MPIComm(Communicator):

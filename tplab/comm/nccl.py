@@ -2,7 +2,7 @@
 
 The same hand-written algorithms run on it unchanged: a ring step is one ``sendrecv``, which becomes an
 ``ncclSend`` and an ``ncclRecv`` inside one NCCL group (grouped, so that two ranks sending to each other
-cannot deadlock); the reduction after it is a CuPy kernel (``tplab.ops``). NCCL has no tags: messages
+cannot deadlock); the reduction after it is a CuPy kernel (``tplab.toolkit.ops``). NCCL has no tags: messages
 between two ranks match in the order they were posted (tplab's algorithms never rely on tags).
 
     comm = nccl_world()                       # under mpiexec: one rank per GPU, NCCL id sent over MPI
@@ -13,7 +13,7 @@ makes the NCCL unique id and MPI broadcasts it; metadata (``allgather_object``, 
 node layout go over MPI, data over NCCL.
 
 Streams (the choice, kept simple): every operation is enqueued on the *caller's current stream* (CuPy's
-current stream, or torch's for a torch tensor), which is also where ``tplab.ops`` launches the reductions.
+current stream, or torch's for a torch tensor), which is also where ``tplab.toolkit.ops`` launches the reductions.
 So the steps of an algorithm are ordered by the stream alone, with no events and no host waits, and the
 result is ordered before whatever the caller enqueues next, as when one calls NCCL on that stream.
 Consequences: ``recv``/``wait`` return once the operation is *enqueued*, not done (later GPU work on the
@@ -33,12 +33,12 @@ from __future__ import annotations
 import os
 import time
 
-from tplab import devices
-from tplab.arrays import as_array, current_stream, device_buffer, gpu_scope, is_gpu_array
-from tplab.blocks import block_counts
+from tplab.comm import devices
+from tplab.toolkit.arrays import as_array, current_stream, device_buffer, gpu_scope, is_gpu_array
+from tplab.toolkit.blocks import block_counts
 from tplab.comm.base import Communicator, CommTimeoutError, checked_ranks_per_node
 from tplab.comm.mpi import MPIComm
-from tplab.ops import get_op
+from tplab.toolkit.ops import get_op
 
 _world = None
 
@@ -72,7 +72,7 @@ def import_nccl():
 def bind_local_gpu(mpi_comm=None) -> int:
     """Bind this process to GPU ``local rank`` (its rank among the ranks on its node) and return it.
     Collective on ``mpi_comm`` (default COMM_WORLD) the first time; later calls return the same GPU.
-    (The binding itself lives in ``tplab.devices``, shared with tplab.cluster's engines.)"""
+    (The binding itself lives in ``tplab.comm.devices``, shared with tplab.cluster's engines.)"""
     info = devices.bind_local_gpu(mpi_comm, import_torch=False)  # torch: only if the caller imported it
     if info["device"] is None:
         raise RuntimeError(f"{info['local_size']} ranks on this node but 0 visible GPU(s): start one rank per GPU "
@@ -127,10 +127,10 @@ class NcclComm(Communicator):
                      "max": self._nccl.NCCL_MAX, "min": self._nccl.NCCL_MIN}
 
     def attach_peer_memory(self, max_bytes: int = 64 << 20, **options):
-        """Give this communicator peer memory (tplab.comm.peer_memory.PeerMemory; one node): then
+        """Give this communicator peer memory (tplab.gpu_collectives.peer_memory.PeerMemory; one node): then
         ``tplab.allreduce(x, comm)`` sums GPU arrays of up to ``max_bytes`` with one-shot / two-shot / ring
         kernels chosen by size ("auto"), or the one named by ``algorithm="peer_one_shot"`` & co. Collective."""
-        from tplab.comm.peer_memory import PeerMemory
+        from tplab.gpu_collectives.peer_memory import PeerMemory
 
         self.peers = PeerMemory(self.mpi, max_bytes, **options)
         return self.peers

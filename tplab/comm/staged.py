@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from tplab.arrays import array_module, as_array, current_stream, gpu_scope, is_gpu_array
+from tplab.toolkit.arrays import array_module, as_array, current_stream, gpu_scope, is_gpu_array
 from tplab.comm.base import Communicator
 from tplab.comm.mpi import MPIComm
 from tplab.comm.nccl import bind_local_gpu
@@ -262,7 +262,7 @@ class StagedComm(Communicator):
             return self._builtin_widened(name, x, arr, back, bf16 or arr.dtype != np.float16, *args)
         with gpu_scope(x, arr):
             if self.mode == "direct" and name == "builtin_allreduce":  # MPI reads and writes GPU memory
-                from tplab.ops import get_op
+                from tplab.toolkit.ops import get_op
 
                 flat = array_module(arr).ascontiguousarray(arr)
                 out = array_module(arr).empty_like(flat)
@@ -275,7 +275,7 @@ class StagedComm(Communicator):
     def _builtin_widened(self, name, x, arr, back, bfloat16, *args):
         """MPI has no bfloat16, and Open MPI 4 no float16: widen to float32 on the GPU, reduce on the host,
         round once at the end (more accurate than rounding at every step; twice the bytes on the wire)."""
-        from tplab.bfloat16 import narrow, widen
+        from tplab.toolkit.bfloat16 import narrow, widen
 
         args = tuple(getattr(a, "name", a) for a in args)  # (the op by name: the float32 one)
         with gpu_scope(x, arr):

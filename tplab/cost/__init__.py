@@ -32,7 +32,8 @@ from tplab.cost.fit import (
     measure_exchange,
     measure_reduction,
 )
-from tplab.cost.formulas import FORMULAS, CriticalPath, Machine, critical_path, formula_text, predict
+from tplab.cost.formulas import FORMULAS, CriticalPath, Machine, critical_path, formula_text
+from tplab.cost.predict import predict
 from tplab.cost.sequence_parallel import attention_bytes, attention_messages, causal_work, sp_vs_tp, staged_vs_direct
 from tplab.cost.tensor_parallel import layer_model, tensor_parallel_allreduce_cost
 from tplab.cost.traffic import allreduce_traffic, traffic

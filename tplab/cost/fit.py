@@ -30,7 +30,7 @@ calibrates one number on the algorithms' own timings of tiny messages, if you wa
 them (a calibration: it makes the model fit small messages, it does not explain them).
 
     machine, exchange, reduction = fit_on(comm)                  # collective; same result on every rank
-    rows = tplab.bench.sweep("allreduce", ["ring", "rabenseifner"], sizes)
+    rows = tplab.lab.bench.sweep("allreduce", ["ring", "rabenseifner"], sizes)
     pandas.DataFrame(compare(rows, machine))                     # + predicted_us, error
     calibrated = fit_step(rows, machine)                         # optional: + Python's work per step
 
@@ -47,7 +47,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from tplab.cost.formulas import Machine, critical_path, predict
+from tplab.cost.formulas import Machine, critical_path
+from tplab.cost.predict import predict
 
 DEFAULT_SIZES = [8 << (2 * i) for i in range(10)]  # 8 B, 32 B, ..., 2 MiB: 4x apart, every regime
 
@@ -257,7 +258,7 @@ def fit_on(comm, sizes=None, iters=30, dtype="float32", name: str = "", entry=Tr
 
 
 def fit_step(rows, machine: Machine, max_size: int = 1024) -> Machine:
-    """``machine`` with ``step`` set to the Python work per step that timing rows (tplab.bench) of messages
+    """``machine`` with ``step`` set to the Python work per step that timing rows (tplab.lab.bench) of messages
     up to ``max_size`` bytes leave unexplained: the median over those rows of
     (measured - predicted) / steps on the critical path, all algorithms pooled; at least 0."""
     residuals = []
@@ -294,7 +295,7 @@ def _resolve(row) -> str:
 
 
 def compare(rows, machine):
-    """Timing rows (tplab.bench: collective, algorithm, ranks, size, time_us; type if known) with two
+    """Timing rows (tplab.lab.bench: collective, algorithm, ranks, size, time_us; type if known) with two
     more columns: ``predicted_us`` and ``error`` = (predicted - measured) / measured. Rows the model has
     no formula for (builtin, say) get NaN. A pandas DataFrame in gives a DataFrame out."""
     frame = None
@@ -320,7 +321,7 @@ def compare(rows, machine):
 
 # ---- fitting on the collectives' own timings -------------------------------------------------------------
 def fit_on_timings(rows, name: str = "", algorithms=None) -> Machine:
-    """α, β, γ and the entry cost fitted to measured collective times (tplab.bench rows) instead of to
+    """α, β, γ and the entry cost fitted to measured collective times (tplab.lab.bench rows) instead of to
     micro-benchmarks: each row's predicted time, entry + n·entry_per_byte + messages·α + wire bytes·β
     + reduced bytes·γ, is linear in the five parameters, so relative least squares is a linear solve
     (rows weighted by 1/measured time). Parameters that come out negative are dropped (set to 0) and the

@@ -267,17 +267,6 @@ def critical_path(collective: str, algorithm: str, p: int, n: float, *, itemsize
     return PATHS[collective, algorithm](p, n, itemsize)
 
 
-def predict(collective: str, algorithm: str, p: int, n: float, machine, *, itemsize: int = 1) -> float:
-    """Predicted seconds for ``collective`` by ``algorithm`` on ``p`` ranks with n bytes (nccl-tests' S).
-    ``machine``: a Machine, or a TwoLevelMachine (ranks in blocks of ranks_per_node per node)."""
-    from tplab.cost.two_level import TwoLevelMachine, predict_two_level  # two_level builds on this file
-
-    if isinstance(machine, TwoLevelMachine):
-        return predict_two_level(collective, algorithm, p, n, machine, itemsize=itemsize)
-    path = critical_path(collective, algorithm, p, n, itemsize=itemsize)
-    return machine.entry_time(n) + path.time(machine)
-
-
 # ---- the formulas as a student reads them -------------------------------------------------------------------
 FORMULAS = {  # p a power of two; n as in nccl-tests (see the module docstring)
     ("allreduce", "naive"): "2(p-1)α + 2(p-1)·nβ + (p-1)·nγ",

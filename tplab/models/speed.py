@@ -131,11 +131,11 @@ def forward_time_vs_tp(config: GPTConfig, comm=None, batch: int = 4, seq: int = 
     """Forward time (and generation tokens/s if ``new_tokens``) of ``config``'s model split over t ranks,
     for each TP degree t: ranks 0..t-1 run it, the others wait sleeping. One row per degree, the same
     on every rank. ``threads`` torch threads per rank while timing (1: one core per rank). ``comm``:
-    default the world, or on ``device="cuda"`` NCCL on each rank's bound GPU (tplab.devices.communicator),
+    default the world, or on ``device="cuda"`` NCCL on each rank's bound GPU (tplab.comm.communicator),
     so ``cluster.run(forward_time_vs_tp, config)`` works from a notebook either way."""
     device = torch.device(device or "cpu")
     if comm is None:
-        from tplab.devices import communicator
+        from tplab.comm import communicator
 
         comm = communicator(device.type)
     waiter = comm.host if comm.moves_gpu_memory else comm  # (the token waited for below is a host array)

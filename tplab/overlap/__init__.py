@@ -8,8 +8,10 @@
     mpi_progress.py       why MPI's own MPI_Iallreduce hides nothing unless something drives its progress
     chunked_mlp.py        OverlappedMLP (tensor- and sequence-parallel), OverlappedRowParallelLinear:
                           k chunks of tokens, chunk i's collective overlapping chunk i+1's compute
+    query_blocks.py       QueryBlocks: Q, K, V once, attention and output projection by query range
     chunked_attention.py  OverlappedAttention (query blocks), OverlappedBlock (attention and MLP
-                          pipelined across the block), overlapped(layer, k)
+                          pipelined across the block)
+    factory.py            overlapped(layer, k): the overlapped version of a layer, block or stack
     micro_batches.py      MicroBatchPipeline: k micro-batches through a stack of blocks, every all-reduce
                           overlapping another micro-batch's compute, across layers too
     pipeline.py           chunk bounds; finished collectives wired back into autograd
@@ -24,7 +26,8 @@
     df = overlap_sweep(layer, x, comm, [1, 2, 4, 8])   # exposed_ms, hidden_fraction per chunk count
 """
 
-from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock, overlapped
+from tplab.overlap.chunked_attention import OverlappedAttention, OverlappedBlock
+from tplab.overlap.factory import overlapped
 from tplab.overlap.chunked_mlp import OverlappedMLP, OverlappedRowParallelLinear
 from tplab.overlap.micro_batches import MicroBatchPipeline
 from tplab.overlap.metrics import collectives_of, overlap_sweep, pipeline_model, time_forward

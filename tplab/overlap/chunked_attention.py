@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from tplab.layers import mappings
 from tplab.layers.mappings import copy_to_tensor_parallel_region
 from tplab.overlap import trace
 from tplab.overlap.chunked_mlp import OverlappedMLP
 from tplab.overlap.nonblocking import iallreduce
+from tplab.overlap.query_blocks import QueryBlocks
 from tplab.overlap.pipeline import InFlight, arrived, chunk_bounds, count, identity, start_mlp
 
 
@@ -47,35 +47,6 @@ def _tensor_parallel_only(attention, what):
         raise NotImplementedError(f"{what}: overlap for sequence-parallel attention is not implemented (the "
                                   "reduce-scatter of a query block does not give each rank its own slice); "
                                   "use the tensor-parallel layer, or OverlappedMLP for the sequence-parallel MLP")
-
-
-class _QueryBlocks:
-    """Q, K, V of this rank's heads for the whole sequence, and attention + output projection by query block."""
-
-    def __init__(self, attention, x):  # x: (b, s, h), after f
-        a, (b, s, _) = attention, x.shape
-        d = a.head_dim
-        q = a.q_proj(x).view(b, s, a.local_heads, d).transpose(1, 2)  # (b, n/p, s, d)
-        k = a.k_proj(x).view(b, s, a.local_kv_heads, d).transpose(1, 2)  # (b, k/p, s, d)
-        v = a.v_proj(x).view(b, s, a.local_kv_heads, d).transpose(1, 2)
-        if a.rotary is not None:
-            q, k = a.rotary(q, k, first_position=0)
-        repeat = a.local_heads // a.local_kv_heads  # (grouped-query attention: K, V heads shared by `repeat`)
-        if repeat > 1:
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        self.q, self.k, self.v = q, k, v
-        self.attention, self.batch = a, b
-
-    def partial(self, start, end):
-        """This rank's share of the attention output for query positions start..end: (b, end - start, h)."""
-        a, q = self.attention, self.q[:, :, start:end]
-        if a.causal:  # the queries are the last positions of the keys 0..end: a lower-right causal mask,
-            # which PyTorch's flash / memory-efficient kernels take as it is (no (s_i, end) mask in memory)
-            mask = causal_lower_right(end - start, end)
-            out = nn.functional.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], attn_mask=mask)
-        else:
-            out = nn.functional.scaled_dot_product_attention(q, self.k, self.v)
-        return a.o_proj(out.transpose(1, 2).reshape(self.batch, end - start, a.local_heads * a.head_dim))
 
 
 class OverlappedAttention(nn.Module):
@@ -96,7 +67,7 @@ class OverlappedAttention(nn.Module):
             return a(x, cache)
         x = copy_to_tensor_parallel_region(x, a.comm, a.algorithm)  # f
         with trace.span("QKV projection"):
-            blocks = _QueryBlocks(a, x)
+            blocks = QueryBlocks(a, x)
         handles, partials = [], []
         for i, (start, end) in enumerate(chunk_bounds(x.shape[1], self.chunks)):
             with trace.span(f"attention q-block {i}"):
@@ -140,7 +111,7 @@ class OverlappedBlock(nn.Module):
         xa = copy_to_tensor_parallel_region(self.norm1(x), a.comm, a.algorithm)  # f of attention
         bounds = chunk_bounds(x.shape[1], self.chunks)
         with trace.span("QKV projection"):
-            blocks = _QueryBlocks(a, xa)                    # every query block needs every key
+            blocks = QueryBlocks(a, xa)                    # every query block needs every key
         attn, mlp_out = [], []  # per chunk: rows in flight after its attention, after its MLP
 
         def rows(t, i):  # (b, s_i, h)
@@ -173,35 +144,3 @@ class OverlappedBlock(nn.Module):
         for i, flight in enumerate(mlp_out):
             flight.landed(out=rows(out, i))
         return out
-
-
-def overlapped(module, chunks: int = 4, split: str = "sequence", tail: int = 1):
-    """The overlapped version of a tplab layer: ParallelMLP, RowParallelLinear, ParallelAttention, or a
-    ParallelBlock (tplab.models); a block -- or a list of blocks, applied in turn -- may also be cut into
-    micro-batches (``split="batch"``, MicroBatchPipeline), and its last chunk's MLP into ``tail`` pieces
-    (the last all-reduce, which nothing else overlaps, shrinks)."""
-    from tplab.layers import ParallelAttention, ParallelMLP, RowParallelLinear
-    from tplab.overlap.chunked_mlp import OverlappedRowParallelLinear
-
-    if isinstance(module, ParallelMLP):
-        return OverlappedMLP(module, chunks)
-    if isinstance(module, RowParallelLinear):
-        return OverlappedRowParallelLinear(module, chunks)
-    if isinstance(module, ParallelAttention):
-        return OverlappedAttention(module, chunks)
-    if split not in ("sequence", "batch"):
-        raise ValueError(f"split must be 'sequence' or 'batch', not {split!r}")
-    if isinstance(module, (list, tuple, nn.ModuleList, nn.Sequential)):  # a stack of blocks: micro-batches across layers
-        from tplab.overlap.micro_batches import MicroBatchPipeline
-
-        if split != "batch":
-            raise ValueError("a stack of blocks is pipelined in micro-batches: pass split='batch'")
-        return MicroBatchPipeline(list(module), chunks, tail)
-    if all(hasattr(module, name) for name in ("norm1", "attention", "norm2", "mlp")):
-        if split == "batch":
-            from tplab.overlap.micro_batches import MicroBatchPipeline
-
-            return MicroBatchPipeline([module], chunks, tail)
-        return OverlappedBlock.from_block(module, chunks, tail)
-    raise TypeError(f"no overlapped version of {type(module).__name__}: ParallelMLP, RowParallelLinear, "
-                    "ParallelAttention or a ParallelBlock")

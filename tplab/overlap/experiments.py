@@ -14,7 +14,7 @@ import torch
 
 from tplab.comm import world
 from tplab.layers import mappings
-from tplab.overlap.chunked_attention import overlapped
+from tplab.overlap.factory import overlapped
 from tplab.overlap.metrics import overlap_sweep, pipeline_model
 from tplab.overlap.trace import Tracer
 

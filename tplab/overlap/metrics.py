@@ -26,7 +26,7 @@ import torch
 
 import tplab
 from tplab.layers import mappings
-from tplab.overlap.chunked_attention import overlapped
+from tplab.overlap.factory import overlapped
 from tplab.overlap.nullcomm import without_communication
 
 

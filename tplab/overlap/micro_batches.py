@@ -33,6 +33,7 @@ from tplab.layers.mappings import copy_to_tensor_parallel_region
 from tplab.overlap import trace
 from tplab.overlap.chunked_mlp import OverlappedMLP
 from tplab.overlap.nonblocking import iallreduce
+from tplab.overlap.query_blocks import QueryBlocks
 from tplab.overlap.pipeline import InFlight, chunk_bounds, count, start_mlp
 
 
@@ -83,14 +84,12 @@ class MicroBatchPipeline(nn.Module):
     def _step(self, index, half, micro_batch, x, pieces):
         """Half-block ``half`` of block ``index`` on micro-batch x (b_i, s, h): its partial output, with its
         all-reduce started (in ``pieces`` pieces of tokens)."""
-        from tplab.overlap.chunked_attention import _QueryBlocks
-
         block, check = self.blocks[index], mappings.check_arguments
         if half == "attention":
             a = block.attention
             xa = copy_to_tensor_parallel_region(block.norm1(x), a.comm, a.algorithm)  # f of attention
             with trace.span(f"block {index} attention, micro-batch {micro_batch}"):
-                partial = _QueryBlocks(a, xa).partial(0, x.shape[1])  # (b_i, s, h)
+                partial = QueryBlocks(a, xa).partial(0, x.shape[1])  # (b_i, s, h)
             count("allreduce")
             return InFlight(x, [(partial, iallreduce(partial.detach(), a.comm, algorithm=a.algorithm, check=check))],
                         a.o_bias)

@@ -35,7 +35,7 @@ tensors go another way: a side CUDA stream instead of a thread (``streams.py``).
 
 from __future__ import annotations
 
-from tplab.arrays import as_array, is_torch
+from tplab.toolkit.arrays import as_array, is_torch
 from tplab.collectives import ALGORITHMS, allgather, allreduce, reduce_scatter
 from tplab.collectives.checks import agree_on_arguments
 from tplab.overlap.handles import Completed, Handle

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 from tplab.layers import mappings
 
 

@@ -9,10 +9,10 @@ efficiency against the unsplit layer on one rank, tokens per second. Strong scal
 attention's s² work with it, which no number of ranks hides (``ideal_time_s`` says how much).
 
 On CPU ranks (the notebook) every p runs on a sub-communicator of the first p ranks; the others wait.
-Timing follows tplab.bench: warm-up, then iterations started together (barrier), medians, max over
+Timing follows tplab.lab.bench: warm-up, then iterations started together (barrier), medians, max over
 ranks. ``time_calls(..., cuda=True)`` times with CUDA events (scripts/gpu_sequence_parallel.py).
 ``comm`` defaults to ``tplab.comm.world()``: ``cluster.run(scaling_study, mode="weak")`` in a notebook;
-``scaling_study(device="gpu")`` runs on each rank's bound GPU over NCCL (tplab.devices), timed with CUDA events.
+``scaling_study(device="gpu")`` runs on each rank's bound GPU over NCCL (tplab.comm.devices), timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 from tplab.comm import world
 from tplab.cost.sequence_parallel import attention_bytes, causal_work
-from tplab.devices import communicator, is_gpu, torch_device
+from tplab.comm import communicator
+from tplab.comm.devices import is_gpu, torch_device
 from tplab.models.gpt import Block, GPTConfig
 from tplab.sequence.allgather_kv import attend_local
 from tplab.sequence.gather import gather_sequence
@@ -117,7 +118,7 @@ def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=
     alone. ``scheme``: one name or a list (each measured at every p). Collective; the same rows on every
     rank. ``threads``: torch threads per rank (1: ranks, not threads, do the parallel work).
     ``device="gpu"``: the layer and its input on each rank's GPU, ``comm`` by default NCCL over the bound
-    GPUs (tplab.devices.communicator), CUDA-event timing."""
+    GPUs (tplab.comm.communicator), CUDA-event timing."""
     cuda, where = is_gpu(device), torch_device(device)
     comm = communicator(device) if comm is None else comm
     schemes = [scheme] if isinstance(scheme, str) else list(scheme)

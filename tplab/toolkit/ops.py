@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tplab.arrays import array_module
+from tplab.toolkit.arrays import array_module
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ReduceOp:
     name: str
     ufunc: np.ufunc
     mpi_name: str  # attribute of mpi4py.MPI: SUM, PROD, MAX, MIN
-    bfloat16 = False  # True for the variant that reads int16 arrays as bfloat16 bits (tplab/bfloat16.py)
+    bfloat16 = False  # True for the variant that reads int16 arrays as bfloat16 bits (tplab/toolkit/bfloat16.py)
 
     def combine(self, left, right, out):
         """out = left (op) right, elementwise. ``out`` may be ``left`` or ``right``."""

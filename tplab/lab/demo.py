@@ -1,8 +1,8 @@
-"""tplab.demo — execute the notebooks headless against one MPI cluster, and summarise what they found.
+"""tplab.lab.demo — execute the notebooks headless against one MPI cluster, and summarise what they found.
 
 ``make demo`` (``tplab demo --ranks 4 --out build``) calls ``run_demo``:
 
-    from tplab.demo import run_demo
+    from tplab.lab.demo import run_demo
     run_demo(ranks=4, out="build")       # start 4 engines, run notebooks/*.ipynb into build/, stop, summarise
 
 Each notebook has a cell tagged ``parameters`` (``n_ranks``, ``cluster_id``, ``output_dir``) that papermill
@@ -143,7 +143,7 @@ def _export_html(executed: Path) -> Path:
 def _notebook_dir() -> Path:
     """notebooks/ of the current folder (``make demo`` runs from the repository), else of this checkout."""
     here = Path("notebooks")
-    return here if here.is_dir() else Path(__file__).resolve().parents[1] / "notebooks"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def _first_line(text) -> str:

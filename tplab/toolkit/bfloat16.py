@@ -1,7 +1,7 @@
 """bfloat16 reductions on CuPy arrays that hold bfloat16 bits as int16.
 
 CuPy has no bfloat16 dtype, so a bf16 CUDA tensor enters tplab as an int16 view of the same memory
-(``tplab.arrays``): the algorithms move those 16 bits as they are (half the bytes of float32, as NCCL
+(``tplab.toolkit.arrays``): the algorithms move those 16 bits as they are (half the bytes of float32, as NCCL
 moves bf16) and only the reduction needs to know what they mean. Each combination does what torch and
 NCCL do for one bf16 operation: widen both operands to float32 (exact: bf16 is the top half of a
 float32), operate in float32, round the result to the nearest bfloat16 (ties to even; NaN stays NaN).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tplab.ops import ReduceOp, get_op
+from tplab.toolkit.ops import ReduceOp, get_op
 
 _FLOAT_OF = {"sum": "a + b", "prod": "a * b",
              "max": "(a != a || a > b) ? a : b", "min": "(a != a || a < b) ? a : b"}  # NaN wins, as numpy

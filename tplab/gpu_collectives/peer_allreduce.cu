@@ -1,4 +1,4 @@
-// All-reduce kernels over peer memory (CUDA IPC), one node, one process per GPU.  tplab.comm.peer_memory
+// All-reduce kernels over peer memory (CUDA IPC), one node, one process per GPU.  tplab.gpu_collectives.peer_memory
 // compiles this file with NVRTC (through CuPy) and launches the kernels; read its docstring first.
 //
 // Every rank owns one shared buffer that all the others have mapped (bufs[q] is rank q's, read over NVLink)

@@ -2,7 +2,7 @@
 
     def my_allreduce(x, comm):          # the reader's code, using comm.send/recv/sendrecv/isend/irecv
         ...
-    report = cluster.run(tplab.exercises.check_allreduce, my_allreduce)[0]   # the same on every rank
+    report = cluster.run(tplab.lab.exercises.check_allreduce, my_allreduce)[0]   # the same on every rank
 
 Each case (sizes 0, 1, fewer than p, p, odd, medium, large; int64 and float64) runs the reader's
 function on a fresh duplicate of the communicator with a deadline, so
@@ -20,7 +20,7 @@ import textwrap
 
 import numpy as np
 
-from tplab.blocks import block_bounds
+from tplab.toolkit.blocks import block_bounds
 from tplab.comm import CommTimeoutError, world
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tplab.comm.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, torch_as_cupy,
+from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, torch_as_cupy,
                                      type_name, whole_packs)
 
 ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")

@@ -9,7 +9,7 @@ runs on host and GPU memory; only *allocation* must ask the input which module t
 
 torch tensors are converted at the door and back on the way out, without copying: a CPU tensor is a
 numpy array (``.numpy()``), a CUDA tensor a CuPy array (DLPack). bfloat16 has no numpy or CuPy dtype:
-its bits travel as int16 and ``tplab.bfloat16`` does the arithmetic (float32 inside, rounded back).
+its bits travel as int16 and ``tplab.toolkit.bfloat16`` does the arithmetic (float32 inside, rounded back).
 
 Streams: GPU work runs on the caller's current stream (torch's current stream for torch tensors), so a
 result is ordered before whatever the caller enqueues next, as with NCCL called on that stream.

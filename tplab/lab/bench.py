@@ -35,8 +35,9 @@ import numpy as np
 
 import tplab
 from tplab.comm import world
-from tplab.arrays import array_module
-from tplab.devices import communicator, to_device
+from tplab.toolkit.arrays import array_module
+from tplab.comm import communicator
+from tplab.comm.devices import to_device
 
 BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors (shared/REFERENCE.md s.3)
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -114,7 +115,7 @@ def _timed_on_gpu(fn, comm, iters) -> np.ndarray:
 def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=20, warmup=3,
                     comm=None, osu=False, validate=True, device="cpu") -> dict:
     """Measure one point; returns one row (the same on every rank). ``comm`` defaults to the communicator
-    for ``device`` (tplab.devices.communicator: the world on "cpu", NCCL on the bound GPU for "gpu")."""
+    for ``device`` (tplab.comm.communicator: the world on "cpu", NCCL on the bound GPU for "gpu")."""
     comm = comm or communicator(device)
     gpu = comm.moves_gpu_memory
     dt = np.dtype(dtype)
@@ -197,7 +198,7 @@ def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20,
     (same collective, algorithm, ranks, size, type, redop, mode) are not measured again, so an
     interrupted sweep resumes where it stopped. ``extra``: columns added to every row (say, machine).
     ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured). ``device="gpu"``:
-    on the bound GPUs over NCCL (tplab.devices.communicator), unless ``comm`` is given."""
+    on the bound GPUs over NCCL (tplab.comm.communicator), unless ``comm`` is given."""
     from tqdm import tqdm  # (tqdm.auto would look for Jupyter widgets on the engines)
 
     comm = comm or communicator(device)

@@ -3,10 +3,10 @@
     allreduce_table()     every allreduce algorithm vs MPI_Allreduce over sizes, dtypes and ops
     count_traffic()       messages and bytes each rank really sent, per algorithm
 
-Both are collective (call them on every rank, e.g. ``cluster.run(tplab.verify.allreduce_table)``) and
+Both are collective (call them on every rank, e.g. ``cluster.run(tplab.lab.verify.allreduce_table)``) and
 return plain rows (lists of dicts) that are identical on every rank, ready for ``pandas.DataFrame``.
 ``device="gpu"``: the same on CuPy arrays on each rank's GPU, over NCCL point-to-point, against NCCL's
-own allreduce (tplab.devices.communicator); results are compared on the host.
+own allreduce (tplab.comm.communicator); results are compared on the host.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import numpy as np
 import tplab
 from tplab.comm import MPIComm
 from tplab.cost import allreduce_traffic
-from tplab.devices import communicator, to_device, to_host
+from tplab.comm import communicator
+from tplab.comm.devices import to_device, to_host
 
 # the single-node algorithms of notebook 01 (hierarchical, for several nodes, is notebook 03's)
 HAND_WRITTEN = ["naive", "ring", "recursive_doubling", "rabenseifner", "tree"]

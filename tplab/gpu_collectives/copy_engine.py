@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tplab.comm.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy
-from tplab.comm.peer_memory import PeerMemory
+from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy
+from tplab.gpu_collectives.peer_memory import PeerMemory
 
 MEMCPY_DEVICE_TO_DEVICE = 3
 
@@ -140,7 +140,7 @@ class CopyEngineAllreduce:
 
     def allreduce(self, x):
         """The sum over ranks of a CuPy array (float32/float64/int32/int64/float16), as a new array."""
-        from tplab.comm.peer_kernels import type_name
+        from tplab.gpu_collectives.peer_kernels import type_name
 
         y = x.copy()
         self.allreduce_(y, type_name(x.dtype))
@@ -168,7 +168,7 @@ class StreamBarriers:
     Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing."""
 
     def __init__(self, peers: PeerMemory):
-        from tplab.comm.peer_memory import MAX_RANKS, STREAM_SLOT
+        from tplab.gpu_collectives.peer_memory import MAX_RANKS, STREAM_SLOT
 
         self.peers, self.count = peers, 0
         offset = STREAM_SLOT * MAX_RANKS * 4

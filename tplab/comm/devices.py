@@ -7,8 +7,6 @@ made once per process and sets the current device of CuPy and of torch.
     bind_local_gpu()        {"rank", "local_rank", "local_size", "device", "name", "memory_gib", "host"};
                             device None on a machine without GPUs (no error)
     gpu_count()             CUDA GPUs this process sees (0 without a driver, a GPU, CuPy or torch)
-    communicator("gpu")     the Communicator for a device: tplab.comm.nccl_world() on the bound GPU, or
-                            tplab.comm.world() for "cpu"
     to_device(x, "gpu")     a numpy array as a CuPy array on the bound GPU ("cpu": x itself)
     to_host(x)              CuPy array / torch tensor / numpy array -> numpy array
 
@@ -166,20 +164,7 @@ def use_bound_gpu() -> int | None:
     return device
 
 
-# ---- communicators and arrays for a device -------------------------------------------------------------
-def communicator(device="cpu"):
-    """The Communicator for ``device``: ``tplab.comm.world()`` (host MPI) for "cpu"; for "gpu" the bound GPU
-    and ``tplab.comm.nccl_world()`` (NCCL point-to-point, CuPy arrays / CUDA tensors). Collective the
-    first time on each rank."""
-    from tplab.comm import nccl_world, world
-
-    if not is_gpu(device):
-        return world()
-    if use_bound_gpu() is None:
-        raise RuntimeError(f"rank {bind_local_gpu()['rank']}: device 'gpu' asked for, but this process sees no GPU")
-    return nccl_world()
-
-
+# ---- arrays for a device ----------------------------------------------------------------------------
 def to_device(x, device="cpu"):
     """A host array on ``device``: a CuPy array on the current (bound) GPU for "gpu", else ``x`` itself."""
     if not is_gpu(device):
@@ -200,25 +185,3 @@ def to_host(x):
     if kind == "torch":
         return x.detach().cpu().numpy()
     return x
-
-
-def software() -> str:
-    """The libraries a GPU measurement depends on, in words (for a CSV's machine column)."""
-    from mpi4py import MPI
-
-    parts = []
-    if "cupy" in sys.modules:
-        import cupy
-
-        try:
-            from tplab.comm.nccl import import_nccl
-
-            v = import_nccl().get_version()
-            parts.append(f"NCCL {v // 10000}.{v % 10000 // 100}.{v % 100}")
-        except Exception:  # noqa: BLE001 - only a label
-            pass
-        parts.append(f"CuPy {cupy.__version__}")
-    if "torch" in sys.modules:
-        parts.append(f"torch {sys.modules['torch'].__version__}")
-    parts.append(MPI.Get_library_version().splitlines()[0].strip()[:40])
-    return ", ".join(parts)

@@ -1,0 +1,15 @@
+"""Predicted time of one collective on a machine of one kind of link (formulas.py) or of two (two_level.py)."""
+
+from __future__ import annotations
+
+from tplab.cost.formulas import critical_path
+from tplab.cost.two_level import TwoLevelMachine, predict_two_level
+
+
+def predict(collective: str, algorithm: str, p: int, n: float, machine, *, itemsize: int = 1) -> float:
+    """Predicted seconds for ``collective`` by ``algorithm`` on ``p`` ranks with n bytes (nccl-tests' S).
+    ``machine``: a Machine, or a TwoLevelMachine (ranks in blocks of ranks_per_node per node)."""
+    if isinstance(machine, TwoLevelMachine):
+        return predict_two_level(collective, algorithm, p, n, machine, itemsize=itemsize)
+    path = critical_path(collective, algorithm, p, n, itemsize=itemsize)
+    return machine.entry_time(n) + path.time(machine)
