@@ -64,26 +64,12 @@ def test_ops():
         get_op("mean")
 
 
-def test_peer_memory_algorithms_need_a_gpu_communicator_with_peer_memory():
-    from tplab.comm import world
-
-    with pytest.raises(tplab.collectives.CollectiveArgumentError, match="attach_peer_memory"):
-        tplab.allreduce(np.ones(4), world(), algorithm="peer_two_shot")
-
-
 def test_peer_memory_kernels_ship_with_the_package():
     from importlib.resources import files
 
     source = files("tplab.gpu_collectives").joinpath("peer_allreduce.cu").read_text()
     for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
-
-
-def test_bench_cli_refuses_peer_algorithms_without_gpu_peer_memory(capsys):
-    from tplab.cli import main
-
-    assert main(["bench", "allreduce", "-a", "peer_two_shot", "-b", "8", "-e", "8"]) == 2
-    assert "--peer-memory" in capsys.readouterr().err
 
 
 def test_peer_memory_auto_table_picks_by_size():

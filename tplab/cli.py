@@ -53,17 +53,22 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
 
 
+PEER_KERNELS = ("peer_one_shot", "peer_two_shot", "peer_ring")  # --peer-memory: one kernel each, by name
+
+
 def cmd_bench(args) -> int:
     import tplab
-    from tplab.lab.bench import sweep
-    from tplab.collectives import PEER_ALLREDUCE
     from tplab.comm import communicator
+    from tplab.lab.bench import sweep
 
     comm = communicator(args.device)            # host MPI, or NCCL on each rank's GPU
+    nccl = comm
     known = list(tplab.ALGORITHMS[args.collective])
     if args.peer_memory and args.device == "gpu" and args.collective == "allreduce":
-        comm.attach_peer_memory(args.peer_memory)   # "auto" and peer_* then run the peer-memory kernels
-        known += list(PEER_ALLREDUCE)
+        from tplab.gpu_collectives import PeerMemoryComm
+
+        comm = PeerMemoryComm(nccl, args.peer_memory)   # "auto": the peer-memory kernels, by size
+        known += list(PEER_KERNELS)
     algorithms = args.algorithms.split(",") if args.algorithms else [a for a in known if a != "auto"]
     unknown = [a for a in algorithms if a not in known]
     if unknown:
@@ -76,15 +81,18 @@ def cmd_bench(args) -> int:
     while size <= args.maxbytes:
         sizes.append(size)
         size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
-    options = dict(dtype=args.datatype, op=args.op, iters=args.iters, warmup=args.warmup_iters, comm=comm, osu=args.osu,
+    options = dict(dtype=args.datatype, op=args.op, iters=args.iters, warmup=args.warmup_iters, osu=args.osu,
                    validate=args.check, csv_path=args.csv, extra={"machine": args.machine or ""}, progress=True,
                    device=args.device)
-    # peer_one_shot reads (p-1)·n bytes and has a buffer of its own of peers.small: not past it
-    limit = getattr(getattr(comm, "peers", None), "small", None)
-    small, large = [s for s in sizes if limit is None or s <= limit], [s for s in sizes if limit and s > limit]
-    rows = sweep(args.collective, algorithms, small, **options) if small else []
-    if large:
-        rows += sweep(args.collective, [a for a in algorithms if a != "peer_one_shot"], large, **options)
+    rows = []
+    for name in algorithms:
+        if name in PEER_KERNELS:  # builtin on peer memory with that kernel (one_shot only up to its buffer)
+            comm.kernel = name.removeprefix("peer_")
+            fits = [s for s in sizes if name != "peer_one_shot" or s <= comm.peers.small]
+            rows += [dict(r, algorithm=name) for r in sweep(args.collective, ["builtin"], fits, comm=comm, **options)]
+            comm.kernel = "auto"
+        else:  # "builtin" is NCCL's where peer memory is attached: the anchor
+            rows += sweep(args.collective, [name], sizes, comm=nccl if name == "builtin" else comm, **options)
     if comm.rank == 0:
         print(format_table(rows, osu=args.osu))
     return 0 if all(int(r["wrong"]) <= 0 for r in rows) else 1
@@ -141,8 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                    help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")
     p.add_argument("--peer-memory", type=parse_size, default=0,
-                   help="GPU all-reduce: attach peer memory of this size per rank (enables peer_one_shot, "
-                        "peer_two_shot, peer_ring, and makes auto pick among them by size)")
+                   help="GPU all-reduce on a PeerMemoryComm with buffers of this size per rank (enables "
+                        "peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
     p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

@@ -15,8 +15,8 @@ import torch  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
-from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
+from tplab.gpu_collectives import PeerMemoryComm  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineComm  # noqa: E402
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.overlap import overlapped, with_comm  # noqa: E402
 from tplab.overlap.experiments import make_block  # noqa: E402
@@ -27,10 +27,10 @@ NCCL = nccl_world()
 torch.cuda.set_device(cupy.cuda.Device().id)  # the GPU NCCL's communicator chose for this rank
 SHAPE = dict(hidden=16 * P, heads=2 * P, seq=24, batch=4)
 BYTES = 4 * 24 * 16 * P * 8  # one all-reduce of the whole block's output, float64
-PEERS = PeerMemory(COMM, BYTES)
-PEERS.algorithm = "two_shot"
+PEERS = PeerMemoryComm(NCCL, BYTES)
+PEERS.kernel = "two_shot"
 COMMS = {"torch.distributed": TorchDistributedComm(torch.device("cuda", torch.cuda.current_device())),
-         "peer": PEERS, "copy engine": CopyEngineAllreduce(COMM, BYTES)}
+         "peer": PEERS, "copy engine": CopyEngineComm(COMM, BYTES)}
 
 
 def block_on_gpu(seed=0):

@@ -15,13 +15,13 @@ from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
 from tplab.toolkit.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineComm  # noqa: E402
 from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
 P = COMM.size
 NCCL = nccl_world()
 PEERS = PeerMemory(COMM, 1 << 24)  # one_shot: up to 8 MiB
-CE = CopyEngineAllreduce(COMM, 1 << 22)
+CE = CopyEngineComm(COMM, 1 << 22)
 TOLERANCE = {"int32": 0, "int64": 0, "float16": 2e-3 * P, "bfloat16": 1e-2 * P, "float32": 1e-6 * P, "float64": 1e-14 * P}
 
 
@@ -170,7 +170,7 @@ def test_bad_arguments_raise_on_every_rank():
     with pytest.raises(ValueError, match="unknown algorithm"):
         PEERS.allreduce(cupy.zeros(4, dtype="float32"), "three_shot")
     if P > 1:
-        with pytest.raises(ValueError, match="differ across ranks"):
+        with pytest.raises(ValueError, match="ranks disagree"):
             PEERS.allreduce(cupy.zeros(4 + COMM.rank, dtype="float32"))
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
@@ -195,18 +195,20 @@ def test_allgather_of_torch_tensors_along_dim_0():
           "allgather_torch")
 
 
-def test_tplab_allreduce_picks_peer_kernels_when_attached():
-    """tplab.allreduce on a GPU communicator with peer memory: "auto" runs the kernel the measured table
-    names for the size; "peer_*" names one; integers come out exact either way."""
+def test_tplab_allreduce_on_peer_memory_runs_the_kernels():
+    """tplab.allreduce on a PeerMemoryComm: "auto" runs the kernel the measured table names for the size,
+    or the one set as ``comm.kernel``; integers come out exact either way."""
     import tplab
+    from tplab.gpu_collectives import PeerMemoryComm
 
-    NCCL.attach_peer_memory(1 << 22)
+    comm = PeerMemoryComm(NCCL, 1 << 22)
     try:
         for count in [3, 1000, 300000]:
             x = cupy.arange(count, dtype=cupy.int32) + COMM.rank
             want = NCCL.builtin_allreduce(x)
-            for algorithm in ["auto", "peer_one_shot", "peer_two_shot", "peer_ring"]:
-                agree(bool((tplab.allreduce(x, NCCL, algorithm=algorithm) == want).all()), f"{algorithm} n={count}")
+            for kernel in ["auto", "one_shot", "two_shot", "ring"]:
+                comm.kernel = kernel
+                for _ in range(2):  # the plan's first call and a later one
+                    agree(bool((tplab.allreduce(x, comm) == want).all()), f"{kernel} n={count}")
     finally:
-        NCCL.peers.close()
-        NCCL.peers = None  # nccl_world() is shared with the other GPU test modules
+        comm.close()

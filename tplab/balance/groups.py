@@ -56,9 +56,7 @@ class DataParallelGroups:
 
 def _private_copy(comm, timeout):
     """A duplicate of ``comm`` (its own message space) whose blocking calls poll until ``timeout``."""
-    if hasattr(comm, "with_timeout"):
-        return comm.with_timeout(timeout)
-    return comm.split(0, comm.rank)
+    return comm.with_timeout(timeout)
 
 
 def data_parallel_groups(comm, tp: int, timeout: float = 600.0) -> DataParallelGroups:

@@ -117,7 +117,7 @@ class _Stages:
     def __init__(self, comm, tp, timeout):
         self.comm = comm  # kept, so that its id stays its own
         self.stage = comm.split(color=comm.rank // tp, key=comm.rank)
-        self.p2p = comm.with_timeout(timeout) if hasattr(comm, "with_timeout") else comm.split(0, comm.rank)
+        self.p2p = comm.with_timeout(timeout)
         self.sharded: dict = {}
 
     def shard(self, model):

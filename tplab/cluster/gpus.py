@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from tplab.comm import devices
-from tplab.toolkit import machine
+from tplab.toolkit.machine import software as libraries
 from tplab.cluster.failures import ClusterError
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -78,7 +78,7 @@ def describe(cluster, gpus) -> tuple[str, str]:
         raise ClusterError("no engine is bound to a GPU: call cluster.bind_gpus() on a machine with GPUs")
     nodes = gpus["host"].nunique()
     cards = " + ".join(f"{int((gpus['name'] == name).sum())}x {name}" for name in names)
-    software = cluster.run(machine.software)[0]
+    software = cluster.run(libraries)[0]
     machine = f"{cards} ({nodes} node{'s' if nodes > 1 else ''}), one engine per GPU; {software}"
     return machine, file_tag(gpus)
 

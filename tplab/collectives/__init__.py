@@ -11,18 +11,31 @@
 Each takes numpy arrays (any shape, contiguous or not), CuPy arrays or torch tensors (CPU, or CUDA with
 bfloat16 too), leaves ``x`` unchanged and returns a new array of the same kind. GPU data stay on the GPU
 (``tplab.toolkit.arrays``) and need a transport that moves GPU memory (``tplab.comm.nccl_world()``,
-``tplab.comm.StagedComm``). ``check=False`` skips the cross-rank argument agreement (for benchmarks).
-The algorithms themselves are in ring.py, recursive.py, binomial.py, naive.py and hierarchical.py.
+``tplab.comm.StagedComm``, ``tplab.gpu_collectives.PeerMemoryComm``). ``check=False`` skips the cross-rank
+argument agreement (for benchmarks).
+
+``algorithm`` names a hand-written algorithm (ring.py, recursive.py, binomial.py, naive.py,
+hierarchical.py), "builtin" (the transport's own collective: MPI's, NCCL's, tplab's GPU kernels) or "auto"
+(the transport's own where it prefers it, else the tuning table or MPICH's rules; where the transport's
+own refuses the arguments, a hand-written algorithm). Everything goes through the one Communicator
+contract (tplab.comm.base): this module never looks inside a transport.
+
+Plans: ``allreduce``, ``reduce_scatter`` and ``allgather`` keep, per communicator, a plan per kind of input
+(shape, dtype, device, stream for GPU arrays). A transport with a persistent fast path (``comm.plan``)
+then costs per call about what its kernel costs; the others do every step per call.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from tplab.collectives import auto, snapshots
 from tplab.collectives.alltoall import alltoall  # pairwise exchange (sequence parallelism: Ulysses)
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce, tree_allreduce
-from tplab.collectives.checks import CollectiveArgumentError, agree_on_arguments
+from tplab.collectives.checks import agree_on_arguments
+from tplab.comm.base import CollectiveArgumentError, Unsupported
 from tplab.collectives.hierarchical import hierarchical_allreduce
 from tplab.collectives.naive import naive_allreduce
 from tplab.collectives.recursive import (
@@ -32,10 +45,10 @@ from tplab.collectives.recursive import (
     recursive_halving_reduce_scatter,
 )
 from tplab.collectives.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
-from tplab.toolkit.arrays import array_module, as_array, gpu_scope
+from tplab.toolkit.arrays import array_module, as_array, gpu_scope, is_gpu_array, is_torch, torch_stream_pointer
 from tplab.toolkit.bfloat16 import bfloat16_op
 from tplab.toolkit.blocks import block_bounds, offsets
-from tplab.toolkit.ops import get_op
+from tplab.toolkit.ops import OPS, get_op
 
 ALGORITHMS = {
     "allreduce": ("naive", "ring", "recursive_doubling", "rabenseifner", "tree", "hierarchical", "builtin", "auto"),
@@ -44,12 +57,14 @@ ALGORITHMS = {
     "broadcast": ("binomial", "builtin", "auto"),
     "reduce": ("binomial", "builtin", "auto"),
 }
-# GPU all-reduces by peer-memory kernels (tplab.gpu_collectives.peer_memory), for a communicator with peer memory
-# attached; not algorithms over send/recv, so not in ALGORITHMS (whose entries run on every transport).
-PEER_ALLREDUCE = ("peer_one_shot", "peer_two_shot", "peer_ring")
+# What "auto" falls back to where a transport's own collective refuses the arguments (a dtype NCCL cannot
+# reduce, a message larger than peer memory): a hand-written algorithm, which handles every dtype.
+FALLBACK = {"allreduce": "ring", "reduce_scatter": "ring", "allgather": "ring", "broadcast": "binomial",
+            "reduce": "binomial"}
+MAX_PLANS = 256  # per communicator: a program that cycles through more shapes starts over
 
 
-# ---- numpy or CuPy in, the caller's type out (tplab.toolkit.arrays) -------------------------------------------------
+# ---- numpy or CuPy in, the caller's type out (tplab.toolkit.arrays) -----------------------------------------
 def _flat_input(arr):
     """x as a flat, contiguous, native-endian array: a view of x when it already is one (read only)."""
     if type(arr) is not np.ndarray:  # CuPy: always native-endian
@@ -62,15 +77,6 @@ def _working_copy(arr):
     if type(arr) is not np.ndarray:
         return array_module(arr).array(arr, copy=True, order="C").reshape(-1)
     return np.array(arr, dtype=arr.dtype.newbyteorder("="), copy=True, order="C").reshape(-1)
-
-
-def _on_the_gpu(x, arr, comm):
-    """Where GPU work for ``x`` runs (its device; torch's current stream for a tensor), after checking that
-    the transport moves GPU memory: handing GPU arrays to host MPI would crash or return garbage."""
-    if not comm.moves_gpu_memory:
-        raise TypeError(f"{type(comm).__name__} moves host memory; for GPU arrays use tplab.comm.nccl_world() "
-                        "or tplab.comm.StagedComm")
-    return gpu_scope(x, arr)
 
 
 def _ops(op, bfloat16: bool):
@@ -90,6 +96,68 @@ def _world_if_none(comm):
     return comm
 
 
+def _resolve(collective, algorithm, nbytes, count, comm):
+    """The algorithm to run. "auto": the transport's own collective where it prefers it (or has nothing
+    else), else the tuning table or MPICH's rules (auto.py; a table may name anything, so check it). A
+    transport without point-to-point runs its own collective whatever the name."""
+    if not comm.point_to_point or (algorithm == "auto" and comm.prefers_builtin):
+        return "builtin"
+    if algorithm != "auto":
+        return algorithm
+    chosen = auto.choose(collective, nbytes, count, comm.size)
+    if chosen not in ALGORITHMS[collective] or chosen == "auto":
+        raise CollectiveArgumentError(
+            f"{collective}: the tuning table in use chose {chosen!r}, which is not one of "
+            f"{list(ALGORITHMS[collective])}: fix the table or tuning.use_table(None)")
+    return chosen
+
+
+def _builtin_or_fallback(collective, comm, algorithm, run_builtin, run_algorithm):
+    """The transport's own collective; where it refuses these arguments (alike on every rank), the
+    hand-written FALLBACK for "auto", a clear error for an explicit "builtin"."""
+    try:
+        return run_builtin()
+    except Unsupported as refusal:
+        if algorithm != "auto" or not comm.point_to_point:
+            raise CollectiveArgumentError(f"{collective}: {refusal}") from None
+    return run_algorithm(FALLBACK[collective])
+
+
+def _convert(x, comm, collective, algorithm, check):
+    """(array, back, bfloat16, scope): x as a numpy or CuPy array (tplab.toolkit.arrays) and where its GPU
+    work runs (its device, and torch's current stream for a torch tensor). An input that cannot be
+    converted (a bfloat16 CPU tensor, a tensor on another device type) still joins the agreement, as a
+    problem, so that the other ranks raise too instead of waiting for this one."""
+    try:
+        arr, back, bf16 = as_array(x)
+    except TypeError as e:
+        if check:
+            agree_on_arguments(comm, collective, np.zeros(0, np.uint8), algorithm=algorithm,
+                               algorithms=(algorithm,), check=True, problems=[str(e)])
+        raise CollectiveArgumentError(f"{collective} on rank {comm.rank}: {e}") from None
+    return arr, back, bf16, (_NO_SCOPE if type(arr) is np.ndarray else gpu_scope(x, arr))
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def _input_kind(x):
+    """What a plan depends on: for GPU arrays the shape, dtype, layout, device and current stream (a
+    persistent kernel launch is tied to them); host arrays take the general path, whatever their shape."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return (kind,)
+    if is_torch(x):
+        if x.device.type != "cuda":
+            return (kind, "cpu")
+        return (kind, x.shape, x.dtype, x.device.index, x.is_contiguous(), torch_stream_pointer(x.device.index))
+    if is_gpu_array(x):
+        import cupy
+
+        return (kind, x.shape, x.dtype.str, x.device.id, x.flags.c_contiguous, cupy.cuda.get_current_stream().ptr)
+    return (kind,)
+
+
 # ---- the collectives -------------------------------------------------------------------------------------------
 # The hand-written allreduces, each called as f(buf, comm, op, source) with the result going to buf.
 # Ring, recursive doubling and Rabenseifner read this rank's input from ``source`` on first touch, so
@@ -106,53 +174,41 @@ ALLREDUCE_BY_NAME = {
 READS_SOURCE = {"ring", "recursive_doubling", "rabenseifner"}
 
 
-def _resolve(collective, algorithm, nbytes, count, p):
-    """The algorithm to run: ``auto`` asks auto.py (a tuning table may name anything, so check it)."""
-    if algorithm != "auto":
-        return algorithm
-    chosen = auto.choose(collective, nbytes, count, p)
-    if chosen not in ALGORITHMS[collective] or chosen == "auto":
-        raise CollectiveArgumentError(
-            f"{collective}: the tuning table in use chose {chosen!r}, which is not one of "
-            f"{list(ALGORITHMS[collective])}: fix the table or tuning.use_table(None)")
-    return chosen
-
-
-# Each public function converts x (tplab.toolkit.arrays), checks the arguments on every rank, and runs the body
-# directly for host arrays, or inside the GPU's device and stream scope for GPU arrays.
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
-    comm = _world_if_none(comm)
-    arr, back, bf16 = as_array(x)
-    agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"] + PEER_ALLREDUCE,
-                       op=op, check=check)
-    peers = getattr(comm, "peers", None)  # GPU peer memory (NcclComm.attach_peer_memory): its own kernels
-    gpu = type(arr) is not np.ndarray
-    if algorithm == "auto" and gpu and peers is not None and op == "sum" and arr.nbytes <= peers.nbytes:
-        algorithm = "peer_" + peers.choose(arr.nbytes).removesuffix("_pull")  # by size, from measurements
-    if algorithm.startswith("peer_"):
-        return _peer_allreduce(x, arr, back, bf16, comm, op, algorithm)
-    algorithm = _resolve("allreduce", algorithm, arr.nbytes, arr.size, comm.size)
-    if not gpu:
-        return _allreduce(arr, back, comm, get_op(op), op, algorithm)
-    with _on_the_gpu(x, arr, comm):
-        return _allreduce(arr, back, comm, *_ops(op, bf16), algorithm)
+    return _planned("allreduce", x, _world_if_none(comm), op, algorithm, check, _allreduce_each_call)
 
 
-def _peer_allreduce(x, arr, back, bf16, comm, op, algorithm):
-    """The peer-memory kernels (tplab.gpu_collectives.peer_memory): one kernel per all-reduce, flags in GPU memory."""
-    peers = getattr(comm, "peers", None)
-    if peers is None or type(arr) is np.ndarray or op != "sum":
-        raise CollectiveArgumentError(
-            f"allreduce: {algorithm} sums GPU arrays through peer memory: use a GPU communicator with it "
-            "attached (comm = tplab.comm.nccl_world(); comm.attach_peer_memory(max_bytes)) and op='sum'")
-    with _on_the_gpu(x, arr, comm):
-        out = peers.allreduce(arr.reshape(-1), algorithm.removeprefix("peer_"), bf16=bf16, check=False)
-    return back(out.reshape(arr.shape))
+def _planned(collective, x, comm, op, algorithm, check, each_call):
+    """A plan per kind of input: the transport's persistent fast path where it has one for the builtin
+    route (e.g. peer-memory kernels on GPUs: no per-call conversion, host round trip or argument all-gather),
+    else ``each_call``: convert x, agree on the arguments on every rank, run the algorithm."""
+    key = (collective, _input_kind(x), op, algorithm, check)
+    plan = comm.plans.get(key)
+    if plan is None:
+        if len(comm.plans) >= MAX_PLANS:
+            comm.plans.clear()
+        builtin_route = algorithm == "builtin" or not comm.point_to_point or (algorithm == "auto" and comm.prefers_builtin)
+        fast = comm.plan(collective, x, op, algorithm) if builtin_route and (op is None or op in OPS) else None
+        plan = comm.plans[key] = fast or (lambda x: each_call(x, comm, op, algorithm, check))
+    return plan(x)
 
 
-def _allreduce(arr, back, comm, reduce_op, builtin_op, algorithm):
-    if algorithm == "builtin":
-        return back(comm.builtin_allreduce(arr, builtin_op).reshape(arr.shape))
+def _allreduce_each_call(x, comm, op, algorithm, check):
+    arr, back, bf16, scope = _convert(x, comm, "allreduce", algorithm, check)
+    with scope:
+        agree_on_arguments(comm, "allreduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["allreduce"], op=op,
+                           check=check, bfloat16=bf16)
+        chosen = _resolve("allreduce", algorithm, arr.nbytes, arr.size, comm)
+        reduce_op, builtin_op = _ops(op, bf16)
+        if chosen != "builtin":
+            return _allreduce(arr, back, comm, reduce_op, chosen)
+        return _builtin_or_fallback(
+            "allreduce", comm, algorithm,
+            lambda: back(comm.builtin_allreduce(arr, builtin_op).reshape(arr.shape)),
+            lambda name: _allreduce(arr, back, comm, reduce_op, name))
+
+
+def _allreduce(arr, back, comm, reduce_op, algorithm):
     source = _flat_input(arr)
     if algorithm in READS_SOURCE and comm.size > 1 and not snapshots.is_recording():
         buf = array_module(source).empty_like(source)  # every element is written before it is read
@@ -165,20 +221,24 @@ def _allreduce(arr, back, comm, reduce_op, builtin_op, algorithm):
 
 
 def reduce_scatter(x, comm=None, op="sum", algorithm="auto", *, check=True):
-    comm = _world_if_none(comm)
-    arr, back, bf16 = as_array(x)
-    agree_on_arguments(comm, "reduce_scatter", arr, algorithm=algorithm,
-                       algorithms=ALGORITHMS["reduce_scatter"], op=op, check=check)
-    algorithm = _resolve("reduce_scatter", algorithm, arr.nbytes, arr.size, comm.size)
-    if type(arr) is np.ndarray:
-        return _reduce_scatter(arr, back, comm, get_op(op), op, algorithm)
-    with _on_the_gpu(x, arr, comm):
-        return _reduce_scatter(arr, back, comm, *_ops(op, bf16), algorithm)
+    return _planned("reduce_scatter", x, _world_if_none(comm), op, algorithm, check, _reduce_scatter_each_call)
 
 
-def _reduce_scatter(arr, back, comm, reduce_op, builtin_op, algorithm):
-    if algorithm == "builtin":
-        return back(comm.builtin_reduce_scatter(arr, builtin_op))
+def _reduce_scatter_each_call(x, comm, op, algorithm, check):
+    arr, back, bf16, scope = _convert(x, comm, "reduce_scatter", algorithm, check)
+    with scope:
+        agree_on_arguments(comm, "reduce_scatter", arr, algorithm=algorithm,
+                           algorithms=ALGORITHMS["reduce_scatter"], op=op, check=check, bfloat16=bf16)
+        chosen = _resolve("reduce_scatter", algorithm, arr.nbytes, arr.size, comm)
+        reduce_op, builtin_op = _ops(op, bf16)
+        if chosen != "builtin":
+            return _reduce_scatter(arr, back, comm, reduce_op, chosen)
+        return _builtin_or_fallback("reduce_scatter", comm, algorithm,
+                                    lambda: back(comm.builtin_reduce_scatter(arr, builtin_op)),
+                                    lambda name: _reduce_scatter(arr, back, comm, reduce_op, name))
+
+
+def _reduce_scatter(arr, back, comm, reduce_op, algorithm):
     buf = _working_copy(arr)
     bounds = block_bounds(buf.size, comm.size)
     if algorithm == "ring":
@@ -187,13 +247,18 @@ def _reduce_scatter(arr, back, comm, reduce_op, builtin_op, algorithm):
 
 
 def allgather(x, comm=None, algorithm="auto", *, check=True):
-    comm = _world_if_none(comm)
-    arr, back, _ = as_array(x)  # (bfloat16 bits are only moved, never combined)
-    agree_on_arguments(comm, "allgather", arr, algorithm=algorithm, algorithms=ALGORITHMS["allgather"],
-                       same_shape=False, check=check)
-    if type(arr) is np.ndarray:
-        return _allgather(arr, back, comm, algorithm)
-    with _on_the_gpu(x, arr, comm):
+    return _planned("allgather", x, _world_if_none(comm), None, algorithm, check,
+                    lambda x, comm, op, algorithm, check: _allgather_each_call(x, comm, algorithm, check))
+
+
+def _allgather_each_call(x, comm, algorithm, check):
+    arr, back, bf16, scope = _convert(x, comm, "allgather", algorithm, check)  # (bf16 bits are only moved)
+    with scope:
+        agree_on_arguments(comm, "allgather", arr, algorithm=algorithm, algorithms=ALGORITHMS["allgather"],
+                           same_shape=False, check=check, bfloat16=bf16)
+        if not comm.point_to_point or (algorithm == "auto" and comm.prefers_builtin) or algorithm == "builtin":
+            return _builtin_or_fallback("allgather", comm, algorithm, lambda: back(comm.builtin_allgather(arr)),
+                                        lambda name: _allgather(arr, back, comm, name))
         return _allgather(arr, back, comm, algorithm)
 
 
@@ -201,7 +266,7 @@ def _allgather(arr, back, comm, algorithm):
     mine = _working_copy(arr)
     # every rank must know every contribution's length to place it (allgatherv): metadata, not counted
     bounds = offsets(comm.allgather_object(mine.size))
-    algorithm = _resolve("allgather", algorithm, bounds[-1] * mine.itemsize, bounds[-1], comm.size)
+    algorithm = _resolve("allgather", algorithm, bounds[-1] * mine.itemsize, bounds[-1], comm)
     if algorithm == "builtin":
         return back(comm.builtin_allgather(arr))
     if algorithm == "ring":
@@ -211,18 +276,19 @@ def _allgather(arr, back, comm, algorithm):
 
 def broadcast(x, comm=None, root=0, algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back, _ = as_array(x)
-    agree_on_arguments(comm, "broadcast", arr, algorithm=algorithm, algorithms=ALGORITHMS["broadcast"],
-                       root=root, check=check)
-    if type(arr) is np.ndarray:
-        return _broadcast(arr, back, comm, root, algorithm)
-    with _on_the_gpu(x, arr, comm):
-        return _broadcast(arr, back, comm, root, algorithm)
+    arr, back, bf16, scope = _convert(x, comm, "broadcast", algorithm, check)
+    with scope:
+        agree_on_arguments(comm, "broadcast", arr, algorithm=algorithm, algorithms=ALGORITHMS["broadcast"],
+                           root=root, check=check, bfloat16=bf16)
+        chosen = _resolve("broadcast", algorithm, arr.nbytes, arr.size, comm)
+        if chosen != "builtin":
+            return _broadcast(arr, back, comm, root)
+        return _builtin_or_fallback("broadcast", comm, algorithm,
+                                    lambda: back(comm.builtin_broadcast(arr, root).reshape(arr.shape)),
+                                    lambda name: _broadcast(arr, back, comm, root))
 
 
-def _broadcast(arr, back, comm, root, algorithm):
-    if algorithm == "builtin":
-        return back(comm.builtin_broadcast(arr, root).reshape(arr.shape))
+def _broadcast(arr, back, comm, root):
     buf = _working_copy(arr)
     if buf.size:
         binomial_broadcast(buf, comm, root)
@@ -231,19 +297,23 @@ def _broadcast(arr, back, comm, root, algorithm):
 
 def reduce(x, comm=None, root=0, op="sum", algorithm="auto", *, check=True):
     comm = _world_if_none(comm)
-    arr, back, bf16 = as_array(x)
-    agree_on_arguments(comm, "reduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["reduce"],
-                       op=op, root=root, check=check)
-    if type(arr) is np.ndarray:
-        return _reduce(arr, back, comm, get_op(op), op, root, algorithm)
-    with _on_the_gpu(x, arr, comm):
-        return _reduce(arr, back, comm, *_ops(op, bf16), root, algorithm)
+    arr, back, bf16, scope = _convert(x, comm, "reduce", algorithm, check)
+    with scope:
+        agree_on_arguments(comm, "reduce", arr, algorithm=algorithm, algorithms=ALGORITHMS["reduce"],
+                           op=op, root=root, check=check, bfloat16=bf16)
+        chosen = _resolve("reduce", algorithm, arr.nbytes, arr.size, comm)
+        reduce_op, builtin_op = _ops(op, bf16)
+        if chosen != "builtin":
+            return _reduce(arr, back, comm, reduce_op, root)
+
+        def builtin():
+            out = comm.builtin_reduce(arr, builtin_op, root)
+            return back(out.reshape(arr.shape)) if comm.rank == root else None
+        return _builtin_or_fallback("reduce", comm, algorithm, builtin,
+                                    lambda name: _reduce(arr, back, comm, reduce_op, root))
 
 
-def _reduce(arr, back, comm, reduce_op, builtin_op, root, algorithm):
-    if algorithm == "builtin":
-        out = comm.builtin_reduce(arr, builtin_op, root)
-        return back(out.reshape(arr.shape)) if comm.rank == root else None
+def _reduce(arr, back, comm, reduce_op, root):
     buf = _working_copy(arr)
     if buf.size:
         binomial_reduce(buf, comm, reduce_op, root)

@@ -11,13 +11,10 @@ caught, on the ranks that have them.
 
 from __future__ import annotations
 
+from tplab.comm.base import CollectiveArgumentError
 from tplab.toolkit.ops import OPS
 
 SUPPORTED_KINDS = "iuf"  # signed and unsigned integers, floating point
-
-
-class CollectiveArgumentError(ValueError):
-    """The arguments of a collective are invalid or differ between ranks (raised on every rank)."""
 
 
 def local_problems(comm, x, *, algorithm, algorithms, op=None, root=None) -> list[str]:
@@ -30,30 +27,30 @@ def local_problems(comm, x, *, algorithm, algorithms, op=None, root=None) -> lis
         problems.append(f"root {root!r} is not a rank of this communicator (0..{comm.size - 1})")
     if x.dtype.kind not in SUPPORTED_KINDS:
         problems.append(f"dtype {x.dtype} is not supported (integers and floating point only)")
+    refusal = comm.cannot_take(x)
+    if refusal:
+        problems.append(refusal)
     return problems
 
 
 def agree_on_arguments(comm, collective, x, *, algorithm, algorithms, op=None, root=None,
-                       same_shape=True, check=True) -> None:
-    problems = local_problems(comm, x, algorithm=algorithm, algorithms=algorithms, op=op, root=root)
+                       same_shape=True, check=True, bfloat16=False, problems=()) -> None:
+    """``x``: the numpy or CuPy view of the input (tplab.toolkit.arrays.as_array); ``bfloat16``: it holds
+    bfloat16 bits as int16 (then the ranks must agree on bfloat16, not int16); ``problems``: found before."""
+    problems = list(problems) + local_problems(comm, x, algorithm=algorithm, algorithms=algorithms, op=op, root=root)
     if not check:
         if problems:
             raise CollectiveArgumentError(f"{collective} on rank {comm.rank}: " + "; ".join(problems))
         return
     mine = {
+        "collective": collective,
         "shape": tuple(x.shape) if same_shape else None,
-        "dtype": x.dtype.name,
+        "dtype": "bfloat16" if bfloat16 else x.dtype.name,
         "op": op,
         "algorithm": algorithm,
         "root": root,
         "problems": problems,
     }
-    everyone = comm.allgather_object(mine)
-    messages = [f"rank {r}: {p}" for r, meta in enumerate(everyone) for p in meta["problems"]]
-    for key in ("shape", "dtype", "op", "algorithm", "root"):
-        values = [meta[key] for meta in everyone]
-        if len(set(values)) > 1:
-            listed = ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
-            messages.append(f"ranks disagree on {key}: {listed}")
-    if messages:
-        raise CollectiveArgumentError(f"{collective}: " + "; ".join(messages))
+    message = comm.agree(mine)
+    if message:
+        raise CollectiveArgumentError(f"{collective}: {message}")

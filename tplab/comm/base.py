@@ -1,20 +1,35 @@
-"""The Communicator: the wire every hand-written collective runs on.
+"""The Communicator: the one contract every transport implements, and all the rest of tplab talks to.
 
-A Communicator is a group of ``size`` processes; this process is ``rank``. The algorithms in
-``tplab.collectives`` use only what this class offers:
+A Communicator is a group of ``size`` processes; this process is ``rank``. What it offers:
 
-    point-to-point      send, recv, sendrecv, isend, irecv (+ Request.wait), barrier
+    point-to-point      send, recv, sendrecv, isend, irecv (+ Request.wait), barrier: what tplab's hand-written
+                        algorithms (tplab.collectives) are made of. A transport that only runs whole
+                        collectives (peer-memory kernels, torch.distributed, the null communicator) sets
+                        ``point_to_point = False``; every algorithm name then runs its own collectives.
+    its own collectives builtin_allreduce, builtin_reduce_scatter, builtin_allgather, builtin_broadcast,
+                        builtin_reduce: the library's (MPI's, NCCL's) or the transport's kernels; the
+                        "builtin" algorithm, and what "auto" runs where ``prefers_builtin`` is True.
+    agreement           agree(description): do all ranks pass the same arguments? (tplab.collectives asks
+                        before any data moves; a host all-gather by default, a GPU-side comparison where the
+                        transport has one)
+    plans               plan(collective, x, op, algorithm): a persistent fast path for arrays like x, or None
     bookkeeping         bytes_sent, messages_sent, reset_counters()   (what the algorithm really moved)
     metadata            allgather_object (pickled, uncounted: argument checks, not data)
     topology            node_of(rank), split_by_node() -> (ranks on my node, my peers on other nodes)
-    the library's own   builtin_allreduce, builtin_reduce_scatter, builtin_allgather,
-                        builtin_broadcast, builtin_reduce             (for comparison and "builtin")
 
-A transport (MPI on host memory today; NCCL, CUDA IPC, an emulated slow network later) subclasses
-Communicator and fills in the underscored methods. The counters live here, so every transport counts
-the same way and the algorithms never change when the wire does.
+Semantics, the same for every transport:
+- Collectives never change their input and return a new array of the caller's kind (numpy, CuPy, torch).
+- GPU work is queued on the caller's current stream (torch's for a torch tensor, CuPy's otherwise): the
+  result is ordered before whatever the caller queues next, as with NCCL; the host does not wait.
+- Arguments are checked by tplab.collectives, on every rank, before any data moves (``agree``): ranks that
+  disagree all raise ``CollectiveArgumentError``. A transport may then refuse what it cannot do by raising
+  ``Unsupported`` before it communicates: that depends only on the agreed arguments, so every rank refuses
+  alike and "auto" can fall back to a hand-written algorithm. ``cannot_take(x)`` names the inputs it can
+  never take (host memory on a GPU transport, an array on another GPU); they join the agreement as problems.
+- Point-to-point buffers are 1-D contiguous arrays; ``recv`` fills the buffer it is given.
 
-Buffers are 1-D contiguous arrays. ``recv`` fills the buffer it is given: algorithms own their memory.
+A transport subclasses Communicator and fills in the underscored hooks. The counters live here, so every
+transport counts the same way and the algorithms never change when the wire does.
 
 Nodes: ranks on one machine talk through shared memory, ranks on different machines through the
 network, often ten times slower. ``node_ids()`` says which node every rank is on (nodes numbered 0, 1,
@@ -32,6 +47,16 @@ from collections import Counter
 
 class CommTimeoutError(RuntimeError):
     """A blocking operation did not complete in time: almost always a deadlock (a peer that never sends)."""
+
+
+class CollectiveArgumentError(ValueError):
+    """The arguments of a collective are invalid or differ between ranks (raised on every rank)."""
+
+
+class Unsupported(TypeError):
+    """The transport cannot run this collective with these arguments (a dtype or op its library lacks, a
+    message larger than its buffers, no point-to-point). Raised before any communication and alike on every
+    rank, since it depends only on arguments the ranks agreed on."""
 
 
 def checked_ranks_per_node(value):
@@ -71,10 +96,50 @@ class Communicator(abc.ABC):
     _node_split = None  # (local, cross), made by the first split_by_node()
     _counts_for = None  # (parent, parent rank of each of my ranks): a node split counts for its parent
     moves_gpu_memory = False  # True for transports that take CuPy arrays / CUDA tensors (nccl.py, staged.py)
+    takes_host_memory = True  # False for a GPU transport that cannot move host arrays too (NCCL)
+    point_to_point = True     # False: whole collectives only; the hooks below are never called
+    prefers_builtin = False   # True: algorithm="auto" runs the transport's own collectives
 
     def __init__(self):
         self.bytes_sent = 0
         self.messages_sent = 0
+        self.plans: dict = {}  # tplab.collectives' per-call work, done once per (collective, input kind, ...)
+
+    # ---- what a collective may ask before it moves data ---------------------------------------------------
+    def cannot_take(self, arr) -> str | None:
+        """Why this transport can never take ``arr`` (a numpy or CuPy array), or None. Default: host memory
+        only, or GPU memory only, as ``moves_gpu_memory`` says."""
+        gpu = type(arr).__module__.split(".")[0] == "cupy"
+        if gpu and not self.moves_gpu_memory:
+            return (f"{type(self).__name__} moves host memory; for GPU arrays use tplab.comm.nccl_world() or "
+                    "tplab.comm.StagedComm")
+        if not gpu and self.moves_gpu_memory and not self.takes_host_memory:
+            return f"{type(self).__name__} moves GPU memory; got an array in host memory"
+        return None
+
+    def agree(self, description: dict) -> str | None:
+        """Do all ranks describe the same call? ``description``: a dict of plain values (shape, dtype, op,
+        algorithm, root) plus ``problems``, a list of this rank's local problems. Returns None when every rank
+        passed the same and none has a problem, else the message every rank raises. Collective. Default: one
+        ``allgather_object`` of the descriptions (tens of microseconds on the host)."""
+        everyone = self.allgather_object(description)
+        messages = [f"rank {r}: {p}" for r, meta in enumerate(everyone) for p in meta.get("problems", ())]
+        for key in description:
+            if key == "problems":
+                continue
+            values = [meta.get(key) for meta in everyone]
+            if len(set(map(repr, values))) > 1:
+                listed = ", ".join(f"rank {r} {v}" for r, v in enumerate(values))
+                messages.append(f"ranks disagree on {key}: {listed}")
+        return "; ".join(messages) or None
+
+    def plan(self, collective: str, x, op: str | None = None, algorithm: str = "auto"):
+        """A persistent ``collective`` ("allreduce", "allgather", "reduce_scatter") for inputs like ``x``
+        (same shape, dtype, device, stream) by the transport's own collective: a callable ``plan(x) ->
+        result`` with the semantics of tplab.collectives' function, which does per call only what must be
+        done per call and checks the ranks' agreement itself (or says it does not). None where the transport
+        has no such path (the default)."""
+        return None
 
     # ---- counters: every message the algorithm sends, whatever the transport --------------------------
     def reset_counters(self) -> None:
@@ -167,14 +232,32 @@ class Communicator(abc.ABC):
 
     def split(self, color: int, key: int | None = None) -> "Communicator":
         """Sub-communicators of the ranks with the same ``color``, ordered by ``key`` (default: rank)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot make sub-communicators")
+        raise Unsupported(f"{type(self).__name__} cannot make sub-communicators")
 
-    # ---- hooks a transport implements ----------------------------------------------------------------
-    @abc.abstractmethod
-    def _send(self, buf, dest: int, tag: int) -> None: ...
+    timeout: float | None = None  # seconds a blocking call may wait before CommTimeoutError (None: forever)
 
-    @abc.abstractmethod
-    def _recv(self, buf, source: int, tag: int) -> None: ...
+    def with_timeout(self, timeout: float | None, poll_pause: float | None = None) -> "Communicator":
+        """A duplicate of this communicator (the same ranks, a message space of its own, so stray messages
+        cannot mix) whose blocking calls give up after ``timeout`` seconds where the transport can, polling
+        with sleeps of at most ``poll_pause`` seconds (0: just yield the core) where it polls. Collective.
+        Default: a plain duplicate (``split``); a transport that cannot split is returned as it is."""
+        try:
+            return self.split(0, self.rank)
+        except Unsupported:
+            return self
+
+    def free(self) -> None:
+        """Release what the transport holds for this communicator (a duplicate, a sub-communicator)."""
+
+    # ---- hooks a transport implements (point-to-point ones only where point_to_point is True) ------------
+    def _no_point_to_point(self):
+        raise Unsupported(f"{type(self).__name__} runs whole collectives only: it has no point-to-point")
+
+    def _send(self, buf, dest: int, tag: int) -> None:
+        self._no_point_to_point()
+
+    def _recv(self, buf, source: int, tag: int) -> None:
+        self._no_point_to_point()
 
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag) -> None:
         # Correct for any transport with nonblocking operations; MPI overrides it with MPI_Sendrecv.
@@ -183,17 +266,17 @@ class Communicator(abc.ABC):
         self._wait(r, f"recv from rank {source} (tag {tag})")
         self._wait(s, f"send to rank {dest} (tag {tag})")
 
-    @abc.abstractmethod
-    def _isend(self, buf, dest: int, tag: int): ...
+    def _isend(self, buf, dest: int, tag: int):
+        self._no_point_to_point()
 
-    @abc.abstractmethod
-    def _irecv(self, buf, source: int, tag: int): ...
+    def _irecv(self, buf, source: int, tag: int):
+        self._no_point_to_point()
 
-    @abc.abstractmethod
-    def _wait(self, handle, what: str) -> None: ...
+    def _wait(self, handle, what: str) -> None:
+        self._no_point_to_point()
 
-    @abc.abstractmethod
-    def _test(self, handle) -> bool: ...
+    def _test(self, handle) -> bool:
+        self._no_point_to_point()
 
     @abc.abstractmethod
     def barrier(self) -> None: ...

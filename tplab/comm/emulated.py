@@ -137,7 +137,7 @@ class EmulatedNetwork(Communicator):
     # ---- sub-communicators: same model, same emulated node for every rank ------------------------------
     @property
     def timeout(self):
-        return getattr(self.inner, "timeout", None)
+        return self.inner.timeout
 
     def _same_network_over(self, inner: Communicator) -> "EmulatedNetwork":
         # one rank per node for a moment: the caller gives it the real layout with _inherit_nodes
@@ -147,8 +147,12 @@ class EmulatedNetwork(Communicator):
     def split(self, color: int, key: int | None = None) -> "EmulatedNetwork":
         return self._inherit_nodes(self._same_network_over(self.inner.split(color, key)))
 
-    def with_timeout(self, timeout: float | None) -> "EmulatedNetwork":
-        return self._inherit_nodes(self._same_network_over(self.inner.with_timeout(timeout)), range(self.size))
+    def with_timeout(self, timeout: float | None, poll_pause: float | None = None) -> "EmulatedNetwork":
+        twin = self.inner.with_timeout(timeout, poll_pause)
+        return self._inherit_nodes(self._same_network_over(twin), range(self.size))
+
+    def free(self) -> None:
+        self.inner.free()
 
     # ---- the library's own collectives cannot be charged ------------------------------------------------
     def _bypasses_the_model(self, name: str):

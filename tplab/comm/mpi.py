@@ -15,6 +15,7 @@ how one machine tries out a multi-node algorithm.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -36,9 +37,13 @@ class MPIComm(Communicator):
         self.timeout = timeout
         self.ranks_per_node = checked_ranks_per_node(ranks_per_node)
 
-    def with_timeout(self, timeout: float | None) -> "MPIComm":
+    poll_pause = 1e-3  # longest sleep between two polls of a blocking call with a timeout (0: sched_yield)
+
+    def with_timeout(self, timeout: float | None, poll_pause: float | None = None) -> "MPIComm":
         """A Communicator on a duplicate of this one (so stray messages cannot mix), with a deadline."""
         twin = MPIComm(self.mpi.Dup(), timeout=timeout, ranks_per_node=self.ranks_per_node)
+        if poll_pause is not None:
+            twin.poll_pause = poll_pause
         if self.ranks_per_node is None and self._node_ids is not None:  # known nodes: no need to detect
             self._inherit_nodes(twin, range(self.size))
         return twin
@@ -99,8 +104,11 @@ class MPIComm(Communicator):
                     "(a deadlock? the peer never posted the matching operation, or it failed)"
                 )
             # back off gently: ranks often outnumber cores, and a spinning rank steals its peer's core
-            time.sleep(pause)
-            pause = min(2 * pause + 1e-6, 1e-3)
+            if self.poll_pause > 0:
+                time.sleep(pause)
+                pause = min(2 * pause + 1e-6, self.poll_pause)
+            else:
+                os.sched_yield()
 
     def barrier(self):
         if self.timeout is None:
@@ -110,6 +118,10 @@ class MPIComm(Communicator):
 
     def allgather_object(self, obj) -> list:
         return self.mpi.allgather(obj)
+
+    def free(self) -> None:
+        if self.mpi is not self._MPI.COMM_WORLD:
+            self.mpi.Free()
 
     # ---- the MPI library's own collectives ---------------------------------------------------------------
     def builtin_allreduce(self, x, op="sum"):

@@ -36,7 +36,7 @@ import time
 from tplab.comm import devices
 from tplab.toolkit.arrays import as_array, current_stream, device_buffer, gpu_scope, is_gpu_array
 from tplab.toolkit.blocks import block_counts
-from tplab.comm.base import Communicator, CommTimeoutError, checked_ranks_per_node
+from tplab.comm.base import Communicator, CommTimeoutError, Unsupported, checked_ranks_per_node
 from tplab.comm.mpi import MPIComm
 from tplab.toolkit.ops import get_op
 
@@ -107,6 +107,7 @@ class _Op:
 
 class NcclComm(Communicator):
     moves_gpu_memory = True
+    takes_host_memory = False
 
     def __init__(self, mpi_comm=None, timeout: float | None = None, ranks_per_node: int | None = None):
         super().__init__()
@@ -126,16 +127,7 @@ class NcclComm(Communicator):
         self._ops = {"sum": self._nccl.NCCL_SUM, "prod": self._nccl.NCCL_PROD,
                      "max": self._nccl.NCCL_MAX, "min": self._nccl.NCCL_MIN}
 
-    def attach_peer_memory(self, max_bytes: int = 64 << 20, **options):
-        """Give this communicator peer memory (tplab.gpu_collectives.peer_memory.PeerMemory; one node): then
-        ``tplab.allreduce(x, comm)`` sums GPU arrays of up to ``max_bytes`` with one-shot / two-shot / ring
-        kernels chosen by size ("auto"), or the one named by ``algorithm="peer_one_shot"`` & co. Collective."""
-        from tplab.gpu_collectives.peer_memory import PeerMemory
-
-        self.peers = PeerMemory(self.mpi, max_bytes, **options)
-        return self.peers
-
-    def with_timeout(self, timeout: float | None) -> "NcclComm":
+    def with_timeout(self, timeout: float | None, poll_pause: float | None = None) -> "NcclComm":
         twin = NcclComm(self.mpi.Dup(), timeout=timeout, ranks_per_node=self.ranks_per_node)
         if self.ranks_per_node is None and self._node_ids is not None:
             self._inherit_nodes(twin, range(self.size))
@@ -238,7 +230,7 @@ class NcclComm(Communicator):
         reduce_op = None if op is None else get_op(op)
         kind = "bfloat16" if bf16 or getattr(reduce_op, "bfloat16", False) else flat.dtype.name
         if reduce_op is not None and kind not in self._types:
-            raise TypeError(f"NCCL cannot reduce {kind}; it reduces {sorted(self._types)}")
+            raise Unsupported(f"NCCL cannot reduce {kind}; it reduces {sorted(self._types)}")
         nccl_op = None if reduce_op is None else self._ops[reduce_op.name]
         return flat, self._types.get(kind), nccl_op, cupy.cuda.get_current_stream().ptr
 

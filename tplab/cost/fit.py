@@ -147,8 +147,7 @@ def measure_entry(comm, sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         rows.append({"size": x.nbytes, "time_s": max(comm.allgather_object(float(np.median(times))))})
-    if hasattr(alone, "mpi"):
-        alone.mpi.Free()
+    alone.free()
     return rows
 
 

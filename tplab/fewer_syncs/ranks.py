@@ -195,10 +195,7 @@ class RealRanks:
 
     def _allreduce(self, x):
         """Sum over the ranks, not counted as a sync of activations (weights' gradients, the norm)."""
-        x = x.detach().contiguous()
-        if hasattr(self.comm, "tensor_allreduce"):  # a communicator with its own tensor collectives (GPU)
-            return self.comm.tensor_allreduce(x)
-        return tplab.allreduce(x, self.comm, algorithm=self.algorithm)
+        return tplab.allreduce(x.detach().contiguous(), self.comm, algorithm=self.algorithm)
 
     def copy_in(self, x):
         if not (self.timing and x.requires_grad):

@@ -1,0 +1,20 @@
+"""tplab.gpu_collectives — whole collectives as GPU kernels of tplab's own (one node, one process per GPU).
+
+Not the wire (that is tplab.comm) and not algorithms over send/recv (tplab.collectives): each all-reduce
+here is one kernel, or a few copy-engine copies, that moves and sums the data itself through memory the
+GPUs share (CUDA IPC over NVLink).
+
+    peer_memory.py      PeerMemory: shared buffers and flags; one_shot / two_shot / ring all-reduce kernels
+    peer_allreduce.cu   the kernels (compiled at first use, NVRTC through CuPy)
+    peer_kernels.py     compiling, launching (cuLaunchKernel, arguments packed once), torch <-> CuPy views
+    signature.py        a call's arguments in 64 bits, compared by the kernels before they touch data
+    peer_comm.py        PeerMemoryComm: a Communicator (NCCL inside) whose own all-reduce is the kernels,
+                        with per-kind-of-tensor plans: tplab.allreduce at the kernel's cost
+    copy_engine.py      CopyEngineComm: an all-reduce whose bytes move by the copy engines (no SMs)
+
+CuPy is imported only when one of them is made.
+"""
+
+from tplab.gpu_collectives.peer_comm import PeerMemoryComm
+
+__all__ = ["PeerMemoryComm"]

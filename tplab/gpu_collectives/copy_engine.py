@@ -30,28 +30,41 @@ capturing, the barriers are the one-block flag_barrier kernel, whose counts live
 barrier matters most there: a graph may hold an odd number of calls, and then a replay's first call uses
 the half of the previous replay's last; and a replay may follow eager calls that used its half.)
 
-    ce = CopyEngineAllreduce(mpi_comm, max_bytes=160 << 20)    # collective
-    ce.tensor_allreduce(t)      # torch CUDA tensor, in place, on torch's current stream (what tplab's
-                                # layers call: pass ``ce`` as their communicator)
+    ce = CopyEngineComm(mpi_comm, max_bytes=160 << 20)         # collective
+    tplab.allreduce(t, ce)      # torch CUDA tensor, on torch's current stream; ``ce`` is a Communicator
+                                # (whole collectives only): pass it to tplab's layers
+    CopyEngineComm(mpi_comm, in_place=True)   # the all-reduce overwrites its input (forward-only
+                                              # experiments: the layer's partial product is not needed)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy
+from tplab.comm.base import Communicator, Unsupported
+from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy, type_name
 from tplab.gpu_collectives.peer_memory import PeerMemory
+from tplab.toolkit.arrays import is_torch
 
 MEMCPY_DEVICE_TO_DEVICE = 3
 
 
-class CopyEngineAllreduce:
-    """All-reduce of up to ``max_bytes`` per rank through copy engines (see the module docstring).
-    Also a communicator for tplab's layers: ``tensor_allreduce``, ``rank``, ``size``, ``barrier``."""
+class CopyEngineComm(Communicator):
+    """All-reduce of up to ``max_bytes`` per rank through copy engines (see the module docstring): a
+    Communicator of whole collectives (no point-to-point; sums of the kernels' element types only). Its
+    plans, like torch.distributed, hold no agreement round (arguments that differ across ranks are the
+    caller's to avoid); the general path agrees on the host."""
 
-    def __init__(self, mpi_comm, max_bytes: int = 64 << 20):
+    point_to_point = False
+    prefers_builtin = True
+    moves_gpu_memory = True
+    takes_host_memory = False
+
+    def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, in_place: bool = False):
         import cupy
 
+        super().__init__()
+        self.in_place = in_place
         self.mpi, self.rank, self.size = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
         line = PACK * LINE_PACKS * self.size                 # p blocks of whole cache lines fit a half
         self.half = -(-int(max_bytes) // line) * line
@@ -127,24 +140,46 @@ class CopyEngineAllreduce:
 
         cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEVICE_TO_DEVICE, stream.ptr)
 
-    # ---- the communicator interface of tplab's layers ---------------------------------------------------
-    def tensor_allreduce(self, t):
-        """In place on a torch CUDA tensor, queued on torch's current stream; returns it."""
+    # ---- the Communicator's own collectives ---------------------------------------------------------------
+    def plan(self, collective, x, op=None, algorithm="auto"):
+        """torch CUDA tensors straight to the copy engines, on torch's current stream."""
+        if collective != "allreduce" or op != "sum" or not is_torch(x) or not x.is_cuda:
+            return None
+        return self._allreduce_tensor
+
+    def _allreduce_tensor(self, t):
         import cupy
         import torch
 
-        raw, type_name = torch_as_cupy(t)
+        t = t.contiguous() if self.in_place else t.clone()
+        raw, element = torch_as_cupy(t)
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.allreduce_(raw, type_name)
+            self.allreduce_(raw, element)
         return t
 
-    def allreduce(self, x):
-        """The sum over ranks of a CuPy array (float32/float64/int32/int64/float16), as a new array."""
-        from tplab.gpu_collectives.peer_kernels import type_name
-
-        y = x.copy()
-        self.allreduce_(y, type_name(x.dtype))
+    def builtin_allreduce(self, x, op="sum"):
+        """The sum over ranks of a CuPy array (float32/float64/int32/int64/float16, or bfloat16 bits)."""
+        if getattr(op, "name", op) != "sum":
+            raise Unsupported("the copy-engine all-reduce only sums")
+        element = "bf16_bits" if getattr(op, "bfloat16", False) else type_name(x.dtype)
+        y = x if self.in_place else x.copy()
+        self.allreduce_(y, element)
         return y
+
+    def _whole_collectives_only(self, name):
+        raise Unsupported(f"CopyEngineComm has an all-reduce only, no {name}")
+
+    def builtin_reduce_scatter(self, x, op="sum"):
+        self._whole_collectives_only("reduce-scatter")
+
+    def builtin_allgather(self, x):
+        self._whole_collectives_only("all-gather")
+
+    def builtin_broadcast(self, x, root=0):
+        self._whole_collectives_only("broadcast")
+
+    def builtin_reduce(self, x, op="sum", root=0):
+        self._whole_collectives_only("reduce")
 
     def barrier(self) -> None:
         import cupy

@@ -78,6 +78,125 @@ __device__ __forceinline__ void barrier(unsigned int* const* flags, unsigned int
     barrier_at(blockIdx.x, flags, epochs, rank, who);
 }
 
+// ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
+// Block 0 of every rank meets block 0 of every peer at AGREE_SLOT, each carrying a 64-bit signature of its
+// arguments (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to
+// say so"). All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every
+// rank's kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
+// from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
+// up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
+// The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
+// verdict is never taken for this call's. Signature 0 skips the step: the caller ran agree_only first (each
+// call agrees exactly once on every rank, whatever path it takes). The signatures alternate between two rows (the parity of the
+// agreement count): a peer can be at most one call ahead, so it never overwrites the row still being read.
+#define MAX_SLOTS 1024                                   // flag slots per rank (MAX_BLOCKS in peer_memory.py)
+#define AGREE_SLOT (MAX_SLOTS - 3)
+#define SIGNATURES (MAX_SLOTS * MAX_RANKS)               // words: the signatures follow the flags
+#define REFUSED 0xffffffffffffffffULL
+enum { AGREED = 0, MISMATCH = 1, PEER_REFUSED = 2, TIMEOUT = 3, SELF_REFUSED = 4 };
+
+struct Control {                      // this rank's own (device memory; peers never see it)
+    unsigned int calls;               // collective calls finished here: bumped by the last block to finish
+    unsigned int finished;            // blocks of the running call that have finished
+    unsigned long long verdict;       // (call << 32) | code, published by block 0
+    unsigned long long timeout_ns;
+    unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
+};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
+    unsigned long long v; asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+
+// The verdict of this call (AGREED or an error code), the same in every thread of every block.
+__device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* flags, unsigned int* epochs,
+                     int rank, int p) {
+    if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
+    __shared__ int outcome[MAX_RANKS];
+    __shared__ unsigned long long seen[MAX_RANKS];
+    __shared__ unsigned int call;
+    __shared__ int verdict;
+    if (threadIdx.x == 0) call = *(volatile unsigned int*)&ctl->calls + 1;
+    if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        const unsigned int e = epochs[AGREE_SLOT] + 1;
+        const int row = (e & 1u) * MAX_RANKS;
+        const int q = threadIdx.x;
+        if (q < p && q != rank) {
+            ((unsigned long long*)(flags[q] + SIGNATURES))[row + rank] = sig;   // ordered by the release below
+            store_release(flags[q] + AGREE_SLOT * MAX_RANKS + rank, e);
+            const unsigned int* mine = flags[rank] + AGREE_SLOT * MAX_RANKS + q;
+            const unsigned long long start = globaltimer();
+            unsigned int spins = 0;
+            int o = AGREED;
+            while ((int)(load_acquire(mine) - e) < 0)
+                if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
+            if (o == AGREED) {
+                const unsigned long long theirs =
+                    ((volatile unsigned long long*)(flags[rank] + SIGNATURES))[row + q];
+                seen[q] = theirs;
+                if (theirs != sig) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
+            }
+            outcome[q] = o;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int code = sig == REFUSED ? SELF_REFUSED : AGREED, peer = -1;
+            for (int r = 0; r < p; r++)
+                if (outcome[r] > (peer < 0 ? AGREED : outcome[peer])) peer = r;
+            if (peer >= 0 && code == AGREED) code = outcome[peer];
+            epochs[AGREE_SLOT] = e;
+            if (code != AGREED && code != SELF_REFUSED) {
+                volatile unsigned int* s = ctl->status;
+                s[1] = (unsigned int)peer;
+                s[2] = (unsigned int)(seen[peer] & 0xffffffffu);
+                s[3] = (unsigned int)(seen[peer] >> 32);
+                s[4] = call;
+                s[5] = (unsigned int)(sig & 0xffffffffu);
+                s[6] = (unsigned int)(sig >> 32);
+                __threadfence_system();
+                s[0] = (unsigned int)code;
+            }
+            store_release_gpu(&ctl->verdict, ((unsigned long long)call << 32) | (unsigned int)code);
+            verdict = code;
+        }
+    } else if (threadIdx.x == 0) {
+        unsigned long long v;
+        do { v = load_acquire_gpu(&ctl->verdict); } while ((unsigned int)(v >> 32) != call);
+        verdict = (int)(v & 0xffffffffu);
+    }
+    __syncthreads();
+    return verdict;
+}
+
+// The end of every collective kernel, also one that stopped at a failed agreement: the last block to
+// finish counts the call (so the next kernel's blocks all read the same call number).
+__device__ void finish(Control* ctl) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+            ctl->finished = 0;
+            __threadfence();
+            atomicAdd(&ctl->calls, 1u);
+        }
+    }
+}
+
+// An agreement alone: what a collective that runs by other means (NCCL, tplab's hand-written algorithms)
+// does first on a communicator with peer memory, so that ranks on different paths still meet.
+extern "C" __global__ void agree_only(Control* ctl, unsigned long long sig, unsigned int* const* flags,
+                                      unsigned int* epochs, int rank, int p) {
+    agree(ctl, sig, flags, epochs, rank, p);
+    finish(ctl);
+}
+
+#define AGREE_OR_RETURN() \
+    if (agree(ctl, sig, flags, epochs, rank, p) != AGREED) { finish(ctl); return; }
+
 // The whole kernel is one barrier, at a slot of its own: what the copy-engine all-reduce (copy_engine.py)
 // puts between its copies, so that its stream waits for the peers' streams without the host and without
 // more than one block of one multiprocessor.
@@ -142,7 +261,9 @@ __device__ __forceinline__ uint4 add_packs(uint4 a, uint4 b) {
 // after finishing the kernel that read that half. So one barrier is enough, not two.
 template <typename T>
 __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                         unsigned int* epochs, int rank, int p, long long packs, long long base, long long half) {
+                         unsigned int* epochs, int rank, int p, long long packs, long long base, long long half,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const long long at = base + (long long)(epochs[blockIdx.x] & 1u) * half;
     const uint4* in[MAX_RANKS];
 #pragma unroll
@@ -151,6 +272,7 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
     barrier(flags, epochs, rank, (1u << p) - 1);
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
+    finish(ctl);
 }
 
 // ---- two-shot: reduce-scatter by pushing, allgather by pulling (large messages) -------------------------
@@ -165,7 +287,9 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
 // Slot q starts at q·chunk, so rank q's result sits at the same index as in `out`.
 template <typename T>
 __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                         unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+                         unsigned int* epochs, int rank, int p, long long chunk, long long packs,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
@@ -200,6 +324,7 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
         }
     }
     barrier(flags, epochs, rank, all);
+    finish(ctl);
 }
 
 // ---- two-shot by pulling only: for inputs that already lie in the shared buffers ("registered") ----------
@@ -209,7 +334,9 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
 // Chunk r is summed once, by rank r, so every rank holds bitwise the same result.
 template <typename T>
 __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                              unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+                              unsigned int* epochs, int rank, int p, long long chunk, long long packs,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     if (x != mine)                                          // skipped when the input already lives there
@@ -229,6 +356,7 @@ __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, un
         copy_packs<T>(out, bufs[q], f, l);
     }
     barrier(flags, epochs, rank, all);
+    finish(ctl);
 }
 
 // ---- ring_pull: reduce-scatter then allgather with the left neighbour only, p-1 steps each -------------
@@ -239,7 +367,9 @@ __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, un
 // order x[c+1], x[c+2], ..., x[c] (rounded to T after each step, like NCCL's ring).
 template <typename T>
 __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                          unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+                          unsigned int* epochs, int rank, int p, long long chunk, long long packs,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
     uint4* mine = bufs[rank];
@@ -284,6 +414,7 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
         barrier(flags, epochs, rank, neighbours);
     }
 #undef CHUNK_RANGE
+    finish(ctl);
 }
 
 // ---- ring: the textbook ring, pushing: every step writes into the right neighbour's buffer -------------
@@ -297,7 +428,9 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
 // Chunk c is summed in the order x[c], x[c+1], ..., x[c-1], once, so every rank gets the same bits.
 template <typename T>
 __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                     unsigned int* epochs, int rank, int p, long long chunk, long long packs) {
+                     unsigned int* epochs, int rank, int p, long long chunk, long long packs,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
     const uint4* slot = bufs[rank];
@@ -348,12 +481,15 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
         barrier(flags, epochs, rank, neighbours);
     }
 #undef CHUNK_RANGE
+    finish(ctl);
 }
 
 // ---- allgather: every rank's x, in rank order, on every rank (pulled from all peers at once) ------------
 //   mine = x;  out part r = x;  barrier(all);  for q != r: out part q = bufs[q];  barrier(all)
 extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
-                                     unsigned int* epochs, int rank, int p, long long packs) {
+                                     unsigned int* epochs, int rank, int p, long long packs,
+        Control* ctl, unsigned long long sig) {
+    AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     uint4* own_part = out + (long long)rank * packs;
@@ -370,6 +506,7 @@ extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* b
         }
     }
     barrier(flags, epochs, rank, all);                      // nobody overwrites a buffer still being read
+    finish(ctl);
 }
 
 // ---- the reduction step of the copy-engine all-reduce (copy_engine.py) ----------------------------------

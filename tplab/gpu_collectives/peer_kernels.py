@@ -31,7 +31,7 @@ def _module():
     import cupy
 
     templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
-    names = ["flag_barrier", "allgather"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
+    names = ["flag_barrier", "allgather", "agree_only"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     source = Path(__file__).with_name("peer_allreduce.cu").read_text()
     return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
 
@@ -96,14 +96,20 @@ def fast_launcher(function, blocks: int, threads: int, args):
     lib = libcuda()
     if lib is None:
         return None
-    kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
+    kinds = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32,
+             np.uint64: ctypes.c_uint64}
     values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else kinds[type(a)](int(a)) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
     handle, get_stream = ctypes.c_void_p(function.kernel.ptr), cupy.cuda.get_current_stream
     params_pointer = ctypes.cast(params, ctypes.c_void_p)
 
-    def launch():
-        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, 0, get_stream().ptr, params_pointer, None)
+    def launch(source=None, target=None, stream=None):
+        """Launch; ``source`` / ``target``: other device pointers for the first two arguments (a plan's
+        per-call input and output), ``stream``: a stream pointer (default: CuPy's current stream)."""
+        if source is not None:
+            values[0].value, values[1].value = source, target
+        stream = get_stream().ptr if stream is None else stream
+        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, 0, stream, params_pointer, None)
         if error:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
 

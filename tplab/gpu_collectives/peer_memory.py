@@ -30,10 +30,14 @@ float32 and rounded once (one_shot, two_shot) or after every step (ring, like NC
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
+from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
 from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, torch_as_cupy,
-                                     type_name, whole_packs)
+                                                type_name, whole_packs)
+from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
 
 ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
@@ -41,6 +45,10 @@ MAX_RANKS = 8               # as in peer_allreduce.cu
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
+AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (peer_allreduce.cu)
+SIGNATURE_BYTES = 2 * MAX_RANKS * 8  # two rows of the peers' 64-bit signatures, after the flags
+STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in peer_allreduce.cu)
+MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
 # NVLink (data/gpu_peer_allreduce_4x-h100.csv: one_shot to 1 MiB, two_shot to 16 MiB, the ring beyond);
@@ -52,9 +60,14 @@ class PeerMemory:
     """Shared buffers and flags of ``max_bytes`` per rank, mapped by every rank of ``mpi_comm`` (one node,
     one GPU per process, at most 8 ranks). Collective to build and to close. ``blocks`` caps the kernels'
     grid (default: one block per SM), leaving SMs to work that should overlap (like NCCL_MAX_NCHANNELS).
-    All calls of one PeerMemory must go to one stream at a time (its flags count calls in order)."""
+    All calls of one PeerMemory must go to one stream at a time (its flags count calls in order).
 
-    def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, blocks: int | None = None):
+    Every call starts with the ranks' kernels comparing the calls' signatures (signature.py): ranks that
+    disagree, or one that refuses its input, make every rank's kernel stop before it touches data and
+    report to host memory, from where the next call (or ``raise_pending``) raises on every rank. A rank that
+    never comes is given up on after ``timeout`` seconds; this PeerMemory is then unusable."""
+
+    def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, blocks: int | None = None, timeout: float = 30.0):
         import cupy
 
         rt = cupy.cuda.runtime
@@ -73,10 +86,16 @@ class PeerMemory:
         line = PACK * LINE_PACKS * self.size
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
-        flag_bytes = MAX_BLOCKS * MAX_RANKS * 4
+        flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES
         self._own = [rt.malloc(self.nbytes + 2 * self.small), rt.malloc(flag_bytes)]  # whole allocations: IPC exports those
         rt.memset(self._own[1], 0, flag_bytes)
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
+        self._status_pointer = rt.hostAlloc(STATUS_WORDS * 4, 3)     # pinned, mapped (cudaHostAllocPortable | Mapped)
+        self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
+        self.status[:] = 0
+        self.broken: str | None = None                               # set when a peer never came
+        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer
+        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
         self._opened, data, flags = [], [], []
@@ -93,7 +112,6 @@ class PeerMemory:
         self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
         self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
         self.table = list(DEFAULT_TABLE)                      # (bytes per rank up to, algorithm) for "auto"
-        self.algorithm = "auto"                               # what tensor_allreduce runs
         self.everyone = np.uint32((1 << self.size) - 1)       # the bit mask of all ranks, for barrier()
         cupy.cuda.Device().synchronize()
         mpi_comm.Barrier()                                    # every flag array is zero before any kernel
@@ -120,6 +138,57 @@ class PeerMemory:
         kernel("flag_barrier")((1,), (32,), (self.flag_pointers, self.epochs, np.int32(self.rank), self.everyone,
                                              np.int32(BARRIER_SLOT)))
 
+    # ---- agreement ----------------------------------------------------------------------------------------
+    def launch_agreement(self, sig: int) -> None:
+        """Queue an agreement alone on the current stream (one block): for a call that then runs by other
+        means (NCCL, hand-written algorithms), so that ranks on different paths still meet."""
+        kernel("agree_only")((1,), (32,), (self.control, np.uint64(sig), self.flag_pointers, self.epochs,
+                                          np.int32(self.rank), np.int32(self.size)))
+
+    def agree(self, sig: int) -> str | None:
+        """Collective: compare ``sig`` with every rank's on the GPUs, wait for the answer. None if all are
+        equal, else the message to raise (every rank gets one)."""
+        import cupy
+
+        self.raise_pending()
+        if self.size == 1:
+            return None
+        self.launch_agreement(sig)
+        cupy.cuda.get_current_stream().synchronize()
+        return self._take_status()
+
+    def raise_pending(self) -> None:
+        """Raise what an earlier call's agreement found (a call whose kernel stopped: its result is garbage).
+        Free: it reads a word of host memory the kernels write."""
+        if self.broken:
+            raise CommTimeoutError(self.broken)
+        if self.status[0]:
+            raise CollectiveArgumentError(self._take_status() + " (found after that call returned: its result "
+                                          "is not a sum; this call was not run)")
+
+    def _take_status(self) -> str | None:
+        code = int(self.status[0])
+        if not code:
+            return None
+        peer, call = int(self.status[1]), int(self.status[4])
+        theirs = int(self.status[2]) | int(self.status[3]) << 32
+        mine = int(self.status[5]) | int(self.status[6]) << 32
+        self.status[0] = 0
+        if code == TIMEOUT:
+            self.broken = (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
+                           "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
+            return self.broken
+        if code == PEER_REFUSED:
+            return f"rank {peer} refused its input in collective call {call} (its error says why)"
+        return (f"ranks disagree in collective call {call}: rank {self.rank} passed {describe(mine)}, "
+                f"rank {peer} passed {describe(theirs)}" + (" (and a different op, algorithm or shape)"
+                                                           if describe(mine) == describe(theirs) else ""))
+
+    def refuse(self, problem: str, what: str = "peer all-reduce"):
+        """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
+        self.agree(REFUSED)
+        raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}")
+
     def _is_buffer(self, a) -> bool:
         return a.data.ptr == self._own[0]
 
@@ -132,58 +201,56 @@ class PeerMemory:
                 return algorithm
         return self.table[-1][1] if self.table else "two_shot"
 
-    def allreduce(self, x, algorithm: str = "auto", out=None, *, bf16: bool = False, check: bool = True):
+    def allreduce(self, x, algorithm: str = "auto", out=None, *, bf16: bool = False, check: bool = True,
+                  agreed: bool = False):
         """The sum over ranks of ``x`` (a contiguous CuPy array on this rank's GPU; ``bf16=True``: 16-bit
         integers holding bfloat16 bits), in ``out`` (new if None), bitwise identical on every rank, queued
-        on the current stream. Collective. ``check`` compares sizes, dtypes and algorithms across ranks
-        first (one host all-gather, so every rank raises the same error; turn it off only to time)."""
+        on the current stream. Collective. The kernel compares the ranks' arguments first (on the GPU);
+        ``check`` waits for the kernel so that a disagreement raises here (else at the next call);
+        ``agreed``: the caller has run the agreement already (tplab.collectives)."""
         import cupy
 
         problem = _problem(self, x, algorithm, out, bf16)
-        if check:
-            mine = (x.size, str(x.dtype), algorithm, self._is_buffer(x))
-            everyone = self.mpi.allgather((mine, problem))
-            problems = [f"rank {q}: {pr}" for q, (_, pr) in enumerate(everyone) if pr]
-            if problems:
-                raise ValueError("peer all-reduce: " + "; ".join(problems))
-            if any(e != mine for e, _ in everyone):
-                raise ValueError("peer all-reduce arguments differ across ranks (count, dtype, algorithm, input in the shared buffer): "
-                                 f"{[e for e, _ in everyone]}")
-        elif problem:
-            raise ValueError(f"peer all-reduce: {problem}")
+        if problem:
+            if agreed:
+                raise CollectiveArgumentError(f"peer all-reduce on rank {self.rank}: {problem}")
+            self.refuse(problem)
+        self.raise_pending()
         if out is None:
             out = cupy.empty_like(x)
-        self.allreduce_init(x, out, algorithm, bf16=bf16, fast=False)()   # (packing for cuLaunchKernel costs
-        return out                                                        #  more than it saves on one call)
+        sig = AGREED_ALREADY if agreed else self.signature_of(x, algorithm, bf16)
+        self.allreduce_init(x, out, algorithm, bf16=bf16, fast=False, sig=sig)()   # (packing for cuLaunchKernel
+        if check and not agreed:                                                  #  costs more than it saves
+            cupy.cuda.get_current_stream().synchronize()                          #  on one call)
+            self.raise_pending()
+        return out
 
-    def allreduce_init(self, x, out, algorithm: str = "auto", *, bf16: bool = False, fast: bool = True):
+    @staticmethod
+    def signature_of(x, algorithm: str, bf16: bool = False, collective: str = "peer allreduce") -> int:
+        return signature({"collective": collective, "shape": (x.size,), "algorithm": algorithm,
+                          "dtype": "bfloat16" if bf16 else str(x.dtype)})
+
+    def allreduce_init(self, x, out, algorithm: str = "auto", *, bf16: bool = False, fast: bool = True,
+                       sig: int | None = None):
         """A persistent all-reduce (MPI 4's MPI_Allreduce_init): everything is worked out once, and the
         returned function only launches the kernel, summing whatever ``x`` holds into ``out``. For
-        latency-bound loops and CUDA graphs. No argument check across ranks: see ``allreduce``. ``fast``:
-        launch through cuLaunchKernel with the arguments packed once (CuPy's launcher otherwise)."""
+        latency-bound loops and CUDA graphs. ``sig``: the signature the kernel compares across ranks
+        (default: from count, dtype and algorithm). ``fast``: launch through cuLaunchKernel with the
+        arguments packed once (CuPy's launcher otherwise)."""
         import cupy
 
+        sig = self.signature_of(x, algorithm, bf16) if sig is None else sig
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
         if algorithm in ("two_shot", "ring") and self._is_buffer(x):
             algorithm += "_pull"                  # the input lies where the pushed slots would: pull it
-        if x.size == 0:
-            return lambda: None
         if self.size == 1:
             return lambda: cupy.copyto(out, x)
+        if x.size == 0:                           # nothing to add, but the ranks still meet
+            return (lambda: self.launch_agreement(sig)) if sig != AGREED_ALREADY else (lambda: None)
         source, target = whole_packs(x), whole_packs(out)
-        packs = source.nbytes // PACK
-        chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
-        work = packs if algorithm == "one_shot" else chunk
-        blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
-        args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
-                np.int32(self.rank), np.int32(self.size)]
-        if algorithm == "one_shot":
-            args += [np.int64(packs), np.int64(self.nbytes // PACK), np.int64(self.small // PACK)]
-        else:
-            args += [np.int64(chunk), np.int64(packs)]
-        args = tuple(args)
-        launch = kernel(f"{algorithm}<{'bf16_bits' if bf16 else type_name(x.dtype)}>")
+        element = "bf16_bits" if bf16 else type_name(x.dtype)
+        launch, blocks, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
             return (fast and fast_launcher(launch, blocks, THREADS, args)) or (lambda: launch((blocks,), (THREADS,), args))
 
@@ -194,6 +261,22 @@ class PeerMemory:
             if target is not out:
                 out.ravel()[...] = target.view(out.dtype)[: out.size]
         return padded
+
+    def allreduce_kernel(self, source, target, algorithm: str, element: str, sig: int):
+        """(kernel, blocks, arguments) of an all-reduce of ``source`` (whole 16-byte packs) into ``target``
+        by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
+        packs = source.nbytes // PACK
+        chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
+        work = packs if algorithm == "one_shot" else chunk
+        blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
+        args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
+                np.int32(self.rank), np.int32(self.size)]
+        if algorithm == "one_shot":
+            args += [np.int64(packs), np.int64(self.nbytes // PACK), np.int64(self.small // PACK)]
+        else:
+            args += [np.int64(chunk), np.int64(packs)]
+        args += [self.control, np.uint64(sig)]
+        return kernel(f"{algorithm}<{element}>"), blocks, tuple(args)
 
     def allreduce_torch(self, tensor, algorithm: str = "auto", out=None, *, check: bool = True):
         """The same for a torch CUDA tensor (no copy: CuPy sees its memory; bfloat16 travels as its 16
@@ -224,13 +307,13 @@ class PeerMemory:
             problem = "peer all-gather needs a contiguous array"
         elif out is not None and (out.size != self.size * x.size or out.dtype != x.dtype or not out.flags.c_contiguous):
             problem = f"out must be {self.size * x.size} contiguous {x.dtype}, not {out.size} {out.dtype}"
-        mine = (x.size, str(x.dtype))
-        everyone = self.mpi.allgather((mine, problem)) if check else [(mine, problem)]
-        problems = [f"rank {q}: {pr}" for q, (_, pr) in enumerate(everyone) if pr]
-        if problems or any(e != mine for e, _ in everyone):
-            raise ValueError("peer all-gather: " + ("; ".join(problems) or f"sizes differ across ranks: {everyone}"))
+        if problem:
+            self.refuse(problem, "peer all-gather")
+        self.raise_pending()
+        sig = self.signature_of(x, "allgather", collective="peer allgather")
         out = cupy.empty(self.size * x.size, dtype=x.dtype) if out is None else out
         if x.size == 0:
+            self.launch_agreement(sig)
             return out
         if self.size == 1:
             out.ravel()[...] = x.ravel()
@@ -242,11 +325,14 @@ class PeerMemory:
         blocks = max(1, min(self.max_blocks, -(-packs // THREADS)))
         kernel("allgather")((blocks,), (THREADS,), (source, target, self.data_pointers, self.flag_pointers,
                                                      self.epochs, np.int32(self.rank), np.int32(self.size),
-                                                     np.int64(packs)))
+                                                     np.int64(packs), self.control, np.uint64(sig)))
         if not direct:                                     # parts padded to whole packs: close the gaps
             flat = out.ravel().view(cupy.uint8)
             for q in range(self.size):
                 flat[q * x.nbytes:(q + 1) * x.nbytes] = target[q * packs * PACK: q * packs * PACK + x.nbytes]
+        if check:
+            cupy.cuda.get_current_stream().synchronize()
+            self.raise_pending()
         return out
 
     def allgather_torch(self, tensor, *, check: bool = False):
@@ -261,11 +347,6 @@ class PeerMemory:
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             self.allgather(x, raw_bytes(out), check=check)
         return out
-
-    # ---- the communicator interface of tplab's layers (pass a PeerMemory as their ``comm``) ---------------
-    def tensor_allreduce(self, t):
-        """In place on a torch CUDA tensor with ``self.algorithm``, on torch's current stream."""
-        return self.allreduce_torch(t, self.algorithm, out=t, check=False)
 
     def data_pointer(self, q: int) -> int:
         """The address of rank q's shared buffer, as mapped in this process (this rank's own for q = rank)."""
@@ -321,6 +402,10 @@ class PeerMemory:
         for pointer in self._own:
             rt.free(pointer)
         self._opened, self._own = [], []
+        if self._status_pointer:
+            self.status = np.zeros(STATUS_WORDS, dtype=np.uint32)   # (nothing reads the freed memory)
+            rt.freeHost(self._status_pointer)
+            self._status_pointer = 0
 
 
 def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:

@@ -15,11 +15,10 @@ f sits before a column-parallel layer (its input is replicated; the gradient wit
 over ranks), g after a row-parallel layer (the partial outputs are summed). Sequence parallelism replaces
 g by a reduce-scatter along the sequence (first dim) and f by an all-gather.
 
-The collectives are tplab's own (``algorithm`` picks which one, "auto" by default), on the tensors'
-device: CPU tensors through the MPI Communicator, GPU tensors through a GPU Communicator. A communicator
-that brings its own tensor collectives (methods ``tensor_allreduce``, ``tensor_allgather``,
-``tensor_reduce_scatter``, e.g. an adapter over torch.distributed's NCCL) is used as it is, and
-``algorithm`` is then ignored. Slices along a dimension must divide evenly: a clear error otherwise.
+The collectives are tplab's (``tplab.allreduce`` & co.; ``algorithm`` picks which one, "auto" by default) on
+any tplab Communicator: MPI for CPU tensors, NCCL or peer memory for GPU tensors, torch.distributed or the
+null communicator (which run their own collectives whatever the name). Slices along a dimension must
+divide evenly: a clear error otherwise.
 ``check_arguments = False`` skips the collectives' cross-rank argument checks (for timing).
 """
 
@@ -44,20 +43,14 @@ def _check_divisible(size: int, parts: int, what: str) -> None:
 
 def all_reduce(x: torch.Tensor, comm, algorithm="auto") -> torch.Tensor:
     calls["allreduce"] += 1
-    x = x.detach().contiguous()
-    if hasattr(comm, "tensor_allreduce"):
-        return comm.tensor_allreduce(x)
-    return tplab.allreduce(x, comm, algorithm=algorithm, check=check_arguments)
+    return tplab.allreduce(x.detach().contiguous(), comm, algorithm=algorithm, check=check_arguments)
 
 
 def all_gather(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (all ranks hold the same shape)."""
     calls["allgather"] += 1
     moved = x.detach().movedim(dim, 0).contiguous()
-    if hasattr(comm, "tensor_allgather"):
-        flat = comm.tensor_allgather(moved)
-    else:
-        flat = tplab.allgather(moved, comm, algorithm=algorithm, check=check_arguments)  # rank 0's block, ...
+    flat = tplab.allgather(moved, comm, algorithm=algorithm, check=check_arguments)  # rank 0's block, ...
     gathered = flat.reshape(comm.size * moved.shape[0], *moved.shape[1:])
     return gathered.movedim(0, dim).contiguous()
 
@@ -67,10 +60,7 @@ def reduce_scatter(x: torch.Tensor, comm, dim: int, algorithm="auto") -> torch.T
     _check_divisible(x.shape[dim], comm.size, f"dimension {dim}")
     calls["reduce_scatter"] += 1
     moved = x.detach().movedim(dim, 0).contiguous()
-    if hasattr(comm, "tensor_reduce_scatter"):
-        mine = comm.tensor_reduce_scatter(moved)
-    else:
-        mine = tplab.reduce_scatter(moved, comm, algorithm=algorithm, check=check_arguments)  # equal blocks
+    mine = tplab.reduce_scatter(moved, comm, algorithm=algorithm, check=check_arguments)  # equal blocks
     return mine.reshape(moved.shape[0] // comm.size, *moved.shape[1:]).movedim(0, dim).contiguous()
 
 

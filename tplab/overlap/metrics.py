@@ -108,10 +108,7 @@ def replay(log, comm, algorithm="auto"):
 
     def run():
         for name, x in inputs:
-            if hasattr(comm, f"tensor_{name}"):
-                getattr(comm, f"tensor_{name}")(x)
-            else:
-                getattr(tplab, name)(x, comm, algorithm=algorithm, check=False)
+            getattr(tplab, name)(x, comm, algorithm=algorithm, check=False)
 
     return run
 

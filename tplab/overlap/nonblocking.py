@@ -38,6 +38,7 @@ from __future__ import annotations
 from tplab.toolkit.arrays import as_array, is_torch
 from tplab.collectives import ALGORITHMS, allgather, allreduce, reduce_scatter
 from tplab.collectives.checks import agree_on_arguments
+from tplab.comm.null import NullComm
 from tplab.overlap.handles import Completed, Handle
 from tplab.overlap.progress_thread import engine_for
 
@@ -53,15 +54,14 @@ def _start(name, x, comm, algorithm, check, run, **check_args):
         from tplab.comm import world
 
         comm = world()
-    if getattr(comm, "is_null", False):  # NullComm: communication switched off (metrics.py)
-        return Completed(getattr(comm, f"tensor_{name}")(x), f"{name} (no-op)")
+    if isinstance(comm, NullComm):  # communication switched off (metrics.py): nothing to wait for
+        return Completed(run(comm), f"{name} (no-op)")
     if is_torch(x) and x.device.type == "cuda":
         from tplab.overlap.streams import start_on_side_stream
 
         return start_on_side_stream(name, x, comm, algorithm, check)
-    if hasattr(comm, f"tensor_{name}"):  # a communicator with its own tensor collectives: run that one
-        return engine_for(comm).submit(f"{name} {x.numel() * x.element_size()} B",
-                                       lambda c: getattr(c, f"tensor_{name}")(x))
+    if not comm.point_to_point:  # whole collectives only (torch.distributed on CPU): its own, on the thread
+        return engine_for(comm).submit(_describe(name, x, algorithm), run)
     arr = as_array(x)[0]
     agree_on_arguments(comm, name, arr, algorithm=algorithm, algorithms=ALGORITHMS[name], check=check, **check_args)
     return engine_for(comm).submit(_describe(name, x, algorithm), run)

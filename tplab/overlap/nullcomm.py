@@ -1,14 +1,8 @@
-"""The layer without its communication: a communicator whose collectives are no-ops.
+"""The layer without its communication, or on another transport: swap the communicator its modules hold.
 
 Exposed communication is measured against the same layer with the collectives taken out:
 
-    exposed = time(layer) - time(layer on a NullComm)
-
-``NullComm(rank, size)`` has the rank and size of the real communicator (so every shard keeps its
-shape) and tensor collectives that return at once with a result of the right shape: all-reduce returns
-the input, all-gather repeats it, reduce-scatter keeps this rank's block. The numbers are wrong, the
-time is the compute alone. tplab's layers use a communicator's ``tensor_*`` methods when it has them
-(tplab.layers.mappings), and so does ``tplab.overlap``.
+    exposed = time(layer) - time(layer on a NullComm)           (tplab.comm.null.NullComm)
 
     with without_communication(layer):      # every submodule's .comm is a NullComm inside the block
         layer(x)
@@ -20,41 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-
-class NullComm:
-    is_null = True
-
-    def __init__(self, rank: int = 0, size: int = 1):
-        self.rank, self.size = rank, size
-        self.log: list[tuple] = []  # (collective, shape, dtype, device) of every call: what the layer sends
-
-    @classmethod
-    def like(cls, comm) -> "NullComm":
-        return cls(comm.rank, comm.size)
-
-    def _note(self, name, x):
-        self.log.append((name, tuple(x.shape), x.dtype, x.device))
-
-    def tensor_allreduce(self, x):
-        self._note("allreduce", x)
-        return x
-
-    def tensor_allgather(self, x):  # every rank's flat x, concatenated: here p copies of mine
-        self._note("allgather", x)
-        return x.reshape(-1).repeat(self.size)
-
-    def tensor_reduce_scatter(self, x):  # this rank's block of the flat vector
-        self._note("reduce_scatter", x)
-        return x.reshape(-1).chunk(self.size)[self.rank]
-
-    def barrier(self):
-        pass
-
-    def allgather_object(self, obj):
-        return [obj] * self.size
-
-    def __repr__(self):
-        return f"<NullComm rank {self.rank} of {self.size}>"
+from tplab.comm.null import NullComm
 
 
 def _holders(module):

@@ -14,11 +14,9 @@ import queue
 import sys
 import threading
 import time
-import types
 import weakref
 
 from tplab.collectives import scratch as _scratch
-from tplab.comm.base import CommTimeoutError, Communicator
 from tplab.overlap import trace
 from tplab.overlap.handles import Handle
 
@@ -50,36 +48,13 @@ def oversubscribed(comm) -> bool:
 POLL_PAUSE = 5e-5  # longest sleep between two polls of a yielding progress thread (seconds)
 
 
-def _yielding_wait(self, handle, what):
-    """MPIComm._wait for a progress thread on a busy machine: test, sleep a little (1 µs growing to
-    POLL_PAUSE), test again -- the core goes to the computation meanwhile, and a message that arrives is
-    noticed within POLL_PAUSE. Keeps the communicator's deadline, if it has one."""
-    deadline = None if self.timeout in (None, NO_DEADLINE) else time.monotonic() + self.timeout
-    pause = 0.0
-    while not handle.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            handle.Cancel()
-            raise CommTimeoutError(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s "
-                                   "(a deadlock? the peer never posted the matching operation, or it failed)")
-        if POLL_PAUSE > 0:
-            time.sleep(pause)
-            pause = min(2 * pause + 1e-6, POLL_PAUSE)
-        else:  # POLL_PAUSE = 0: give the core away only if another thread wants it
-            os.sched_yield()
-
-
 def _duplicate(comm, yield_cpu):
     """A communicator with the same ranks and its own message context (collective). With ``yield_cpu``
-    its waits poll and sleep instead of spinning inside MPI: every blocking call becomes a nonblocking one
-    (tplab.comm.mpi does that when it has a timeout) waited by _yielding_wait."""
+    its waits poll and sleep (at most POLL_PAUSE) instead of spinning inside MPI: every blocking call
+    becomes a nonblocking one, waited politely (tplab.comm.mpi does that when it has a timeout)."""
     timeout = comm.timeout if comm.timeout is not None or not yield_cpu else NO_DEADLINE
-    twin = comm.with_timeout(timeout) if hasattr(comm, "with_timeout") else comm.split(0)
+    twin = comm.with_timeout(timeout, POLL_PAUSE if yield_cpu else None)
     twin._counts_for = (comm, list(range(comm.size)))  # what the thread sends counts on comm too
-    wire = twin
-    while hasattr(wire, "inner"):  # (an EmulatedNetwork waits through the communicator it wraps)
-        wire = wire.inner
-    if yield_cpu and hasattr(wire, "mpi"):
-        wire._wait = types.MethodType(_yielding_wait, wire)
     return twin
 
 
@@ -94,7 +69,7 @@ class ProgressEngine:
 
     def __init__(self, comm, yield_cpu: bool | None = None):
         require_thread_multiple()
-        if not isinstance(comm, Communicator):  # an adapter with its own collectives (torch.distributed): as is
+        if not comm.point_to_point:  # whole collectives only (torch.distributed): no message space to duplicate
             self.comm, self.yield_cpu = comm, False
         else:
             self.yield_cpu = oversubscribed(comm) if yield_cpu is None else yield_cpu

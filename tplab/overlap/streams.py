@@ -9,8 +9,7 @@ different streams:
 
 ``start_on_side_stream`` does exactly that: it records an event on the caller's stream ("the input is
 ready"), makes the side stream wait for it, queues the collective there (tplab's algorithm on a
-GPU communicator such as ``tplab.comm.nccl.nccl_world()``, or a communicator's own ``tensor_allreduce``
-& co., e.g. torch.distributed's NCCL), and records "done". ``wait()`` makes the *caller's stream* wait for
+GPU communicator: NCCL, peer memory, torch.distributed...), and records "done". ``wait()`` makes the *caller's stream* wait for
 "done" -- the host does not block. Memory: the input is read on the side stream and the result made
 there, so both are marked as used by the other stream (``record_stream``), or PyTorch's caching
 allocator could hand their memory out again too early.
@@ -81,10 +80,7 @@ def start_on_side_stream(name, x, comm, algorithm="auto", check=False) -> Stream
     what = f"{name} {algorithm} {x.numel() * x.element_size()} B"
     tracer = trace.current()
     with torch.cuda.stream(side), (tracer.span(what, "comm", "comm stream", stream=side) if tracer else _NOTHING):
-        if hasattr(comm, f"tensor_{name}"):  # a communicator with its own tensor collectives (torch.distributed)
-            result = getattr(comm, f"tensor_{name}")(x)
-        else:
-            result = getattr(tplab, name)(x, comm, algorithm=algorithm, check=check)
+        result = getattr(tplab, name)(x, comm, algorithm=algorithm, check=check)
     done = torch.cuda.Event()
     done.record(side)
     return StreamHandle(what, result, done)

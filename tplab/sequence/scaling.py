@@ -107,7 +107,7 @@ def _unsplit_time(layer, x, iters, warmup, cuda=False) -> float:
 def _sleeping_twin(comm):
     """A twin of ``comm`` whose waits sleep between polls (MPIComm with a timeout), for ranks that only
     wait: MPI's own barrier spins, and on a laptop a spinning rank steals the core a measured one needs."""
-    return comm.with_timeout(3600.0) if hasattr(comm, "with_timeout") else comm
+    return comm.with_timeout(3600.0)
 
 
 def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=None, mode="strong",

@@ -122,6 +122,17 @@ def torch_stream(device):
     return stream
 
 
+def torch_stream_pointer(device_index) -> int:
+    """torch's current CUDA stream on a device, as the raw pointer (cheaper than building a Stream object:
+    this is on every fast-path collective call)."""
+    import torch
+
+    try:
+        return torch._C._cuda_getCurrentRawStream(device_index)
+    except AttributeError:  # (a torch without the private accessor)
+        return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def current_stream(buf):
     """The stream GPU work on ``buf`` belongs to: torch's current stream for a torch tensor, CuPy's
     current stream otherwise."""

@@ -1,0 +1,220 @@
+"""PeerMemoryComm: a GPU communicator whose own all-reduce is tplab's peer-memory kernels.
+
+    comm = PeerMemoryComm(tplab.comm.nccl_world(), max_bytes=256 << 20)   # collective; one node
+    y = tplab.allreduce(x_cuda, comm)        # "auto": one_shot / two_shot / ring by size, one launch per call
+    y = tplab.allreduce(x_cuda, comm, algorithm="ring")   # tplab's hand-written ring over NCCL send/recv
+
+Everything else -- point-to-point, NCCL's other collectives, metadata -- is the NCCL communicator inside
+(``inner``). The own all-reduce takes sums of the kernels' element types up to the buffer's size; other
+calls (another op, int8, a larger message) go to NCCL, and what NCCL cannot reduce either (int16) to a
+hand-written algorithm (tplab.collectives' fallback).
+
+Plans (``plan``): the first ``tplab.allreduce`` of a kind of tensor (shape, dtype, stream) works out the
+kernel, its grid and its packed arguments once; every later call allocates the output, points the kernel at
+input and output and launches it through cuLaunchKernel -- no conversion, no stream object, no host
+round trip, and it can be captured in a CUDA graph. The ranks' agreement on the arguments is the kernel's
+first step (signature.py): a disagreement stops every rank's kernel before it touches data and raises on
+every rank (at once on a plan's first call, else at the next call on this communicator).
+
+Every call agrees exactly once on every rank, whatever path it takes (the fused step, or ``agree`` before
+NCCL and hand-written algorithms), so ranks on different paths still meet and see their disagreement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tplab.comm.base import Communicator
+from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
+from tplab.gpu_collectives.peer_memory import THREADS, PeerMemory
+from tplab.gpu_collectives.signature import signature
+from tplab.toolkit.arrays import is_gpu_array, is_torch, torch_stream_pointer
+
+KERNELS = ("auto", "one_shot", "two_shot", "ring")
+
+
+class PeerMemoryComm(Communicator):
+    moves_gpu_memory = True
+    takes_host_memory = False
+    prefers_builtin = True
+
+    def __init__(self, inner=None, max_bytes: int = 64 << 20, *, blocks: int | None = None, timeout: float = 30.0):
+        from tplab.comm import nccl_world
+
+        super().__init__()
+        self.inner = nccl_world() if inner is None else inner
+        self.rank, self.size, self.device = self.inner.rank, self.inner.size, self.inner.device
+        self.ranks_per_node = self.inner.ranks_per_node
+        self.peers = PeerMemory(self.inner.mpi, max_bytes, blocks=blocks, timeout=timeout)
+        self.kernel = "auto"  # the own all-reduce: "auto" (by size: peers.table, peers.tune()) or one of KERNELS
+
+    # ---- point-to-point and metadata: NCCL's --------------------------------------------------------------
+    def _send(self, buf, dest, tag):
+        self.inner._send(buf, dest, tag)
+
+    def _recv(self, buf, source, tag):
+        self.inner._recv(buf, source, tag)
+
+    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
+
+    def _isend(self, buf, dest, tag):
+        return self.inner._isend(buf, dest, tag)
+
+    def _irecv(self, buf, source, tag):
+        return self.inner._irecv(buf, source, tag)
+
+    def _wait(self, handle, what):
+        self.inner._wait(handle, what)
+
+    def _test(self, handle):
+        return self.inner._test(handle)
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def allgather_object(self, obj):
+        return self.inner.allgather_object(obj)
+
+    def _detect_node_ids(self):
+        return self.inner._detect_node_ids()
+
+    def cannot_take(self, arr):
+        return self.inner.cannot_take(arr) or (
+            f"the array is on GPU {arr.device.id}, this rank's communicator on GPU {self.device}"
+            if arr.device.id != self.device else None)
+
+    def agree(self, description):
+        """On the GPUs (one small kernel, then a wait): no host all-gather."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):  # (an input on another GPU: this rank still meets its peers)
+            message = self.peers.agree(signature(description))
+        problems = description.get("problems")
+        return f"rank {self.rank}: " + "; ".join(problems) if problems else message
+
+    # ---- its own collectives --------------------------------------------------------------------------------
+    def _kernels_take(self, nbytes: int, dtype_name: str, op_name: str) -> bool:
+        fits = nbytes <= (self.peers.small if self.kernel == "one_shot" else self.peers.nbytes)
+        return op_name == "sum" and dtype_name in KERNEL_TYPES and fits
+
+    def builtin_allreduce(self, x, op="sum"):
+        import cupy
+
+        bf16 = getattr(op, "bfloat16", False)  # (16-bit integers holding bfloat16 bits)
+        if not self._kernels_take(x.nbytes, "bfloat16" if bf16 else x.dtype.name, getattr(op, "name", op)):
+            return self.inner.builtin_allreduce(x, op)
+        flat = cupy.ascontiguousarray(x).reshape(-1)
+        return self.peers.allreduce(flat, self.kernel, bf16=bf16, check=False, agreed=True).reshape(x.shape)
+
+    def builtin_reduce_scatter(self, x, op="sum"):
+        return self.inner.builtin_reduce_scatter(x, op)
+
+    def builtin_allgather(self, x):
+        return self.inner.builtin_allgather(x)
+
+    def builtin_broadcast(self, x, root=0):
+        return self.inner.builtin_broadcast(x, root)
+
+    def builtin_reduce(self, x, op="sum", root=0):
+        return self.inner.builtin_reduce(x, op, root)
+
+    def plan(self, collective, x, op=None, algorithm="auto"):
+        if collective != "allreduce" or op != "sum":
+            return None
+        if is_torch(x):
+            ok = x.is_cuda and x.is_contiguous() and x.device.index == self.device
+            dtype, nbytes = str(x.dtype).removeprefix("torch."), x.numel() * x.element_size()
+        elif is_gpu_array(x):
+            ok = x.flags.c_contiguous and x.device.id == self.device
+            dtype, nbytes = x.dtype.name, x.nbytes
+        else:
+            return None
+        if not ok or not self._kernels_take(nbytes, dtype, op) or nbytes == 0 or self.size == 1:
+            return None  # (the general path: it agrees, refuses or falls back as it must)
+        description = {"collective": "allreduce", "shape": tuple(x.shape), "dtype": dtype, "op": op,
+                       "algorithm": algorithm, "root": None, "problems": []}
+        return AllreducePlan(self, x, nbytes, KERNEL_TYPES[dtype], signature(description))
+
+    def close(self):
+        """Collective: unmap and free the peer memory (the NCCL communicator stays)."""
+        self.plans.clear()
+        self.peers.close()
+
+
+class AllreducePlan:
+    """tplab.allreduce of one kind of tensor on peer memory, worked out once; ``plan(x)`` -> the sum."""
+
+    def __init__(self, comm: PeerMemoryComm, x, nbytes: int, element: str, sig: int):
+        import cupy
+
+        peers = self.peers = comm.peers
+        self.torch, self.nbytes = is_torch(x), nbytes
+        self.stream = torch_stream_pointer(x.device.index) if self.torch else cupy.cuda.get_current_stream().ptr
+        algorithm = peers.choose(nbytes) if comm.kernel == "auto" else comm.kernel
+        padded = -(-nbytes // PACK) * PACK
+        self.staged = nbytes != padded  # odd sizes go through a padded copy (the kernels move 16-byte packs)
+        if self.staged:
+            self.source, self.target = cupy.zeros(padded, cupy.uint8), cupy.zeros(padded, cupy.uint8)
+            placeholders = (self.source, self.target)
+        else:  # the kernel's pointers are replaced on every call: any arrays of the right size hold the place
+            placeholders = (peers.peer_buffer(peers.rank, padded), peers.peer_buffer(peers.rank, padded))
+        kernel, blocks, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
+        self.launch = fast_launcher(kernel, blocks, THREADS, args) or _cupy_launcher(kernel, blocks, args)
+        self.checked = False
+
+    def __call__(self, x):
+        self.peers.raise_pending()
+        if self.torch:
+            import torch
+
+            out = torch.empty_like(x)
+            source, target = x.data_ptr(), out.data_ptr()
+        else:
+            import cupy
+
+            out = cupy.empty_like(x)
+            source, target = x.data.ptr, out.data.ptr
+        if self.staged or source % PACK or target % PACK:
+            self._through_copies(source, target)
+        else:
+            self.launch(source, target, self.stream)
+        if not self.checked:
+            self._first_call_waits()
+        return out
+
+    def _through_copies(self, source, target):
+        import cupy
+
+        if not self.staged:  # (a misaligned view: make the staging buffers once)
+            padded = -(-self.nbytes // PACK) * PACK
+            self.source, self.target, self.staged = cupy.zeros(padded, cupy.uint8), cupy.zeros(padded, cupy.uint8), True
+        copy = cupy.cuda.runtime.memcpyAsync
+        copy(self.source.data.ptr, source, self.nbytes, 3, self.stream)   # 3: device to device
+        self.launch(self.source.data.ptr, self.target.data.ptr, self.stream)
+        copy(target, self.target.data.ptr, self.nbytes, 3, self.stream)
+
+    def _first_call_waits(self):
+        """A plan's first call waits for its kernel, so that ranks that disagree raise at once (not while a
+        CUDA graph is being captured: then the next call outside it waits)."""
+        import cupy
+
+        if cupy.cuda.runtime.streamIsCapturing(self.stream):
+            return
+        cupy.cuda.runtime.streamSynchronize(self.stream)
+        self.checked = True
+        self.peers.raise_pending()
+
+
+def _cupy_launcher(kernel, blocks, args):
+    """Where libcuda cannot be loaded by ctypes: CuPy's launcher, with the pointers swapped per call."""
+    import cupy
+
+    args = list(args)
+
+    def launch(source, target, stream):
+        args[0], args[1] = np.uint64(source), np.uint64(target)  # (a pointer is a 64-bit argument)
+        with cupy.cuda.ExternalStream(stream):
+            kernel((blocks,), (THREADS,), tuple(args))
+    return launch
+
