@@ -37,12 +37,14 @@ def gpu(n, dtype=torch.float32, rank_offset=True):
 
 def fails_everywhere(call, match=None):
     """Run ``call`` on this rank: it raises CollectiveArgumentError here within SECONDS, at once or (a plan
-    that ran before: its kernel stopped, the error is found at the next call) at the next call. Every rank
-    must report so; then the communicator must still sum correctly."""
+    that ran before does not wait for its kernel: the error is found at the next call once the GPU has
+    finished the failed one) at the next call. Every rank must report so; then the communicator must
+    still sum correctly."""
     start = time.monotonic()
     message = None
     try:
         call()
+        torch.cuda.synchronize()
         tplab.allreduce(gpu(8), PEERS)  # a deferred error surfaces here
     except CollectiveArgumentError as e:
         message = str(e)

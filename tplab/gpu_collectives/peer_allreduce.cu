@@ -93,7 +93,7 @@ __device__ __forceinline__ void barrier(unsigned int* const* flags, unsigned int
 #define AGREE_SLOT (MAX_SLOTS - 3)
 #define SIGNATURES (MAX_SLOTS * MAX_RANKS)               // words: the signatures follow the flags
 #define REFUSED 0xffffffffffffffffULL
-enum { AGREED = 0, MISMATCH = 1, PEER_REFUSED = 2, TIMEOUT = 3, SELF_REFUSED = 4 };
+enum { AGREED = 0, MISMATCH = 1, PEER_REFUSED = 2, TIMEOUT = 3, SELF_REFUSED = 4, FAILED_BEFORE = 5 };
 
 struct Control {                      // this rank's own (device memory; peers never see it)
     unsigned int calls;               // collective calls finished here: bumped by the last block to finish
@@ -101,6 +101,7 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned long long verdict;       // (call << 32) | code, published by block 0
     unsigned long long timeout_ns;
     unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
+    unsigned int failed;              // an agreement failed here and the host has not raised it yet
 };
 
 __device__ __forceinline__ unsigned long long globaltimer() {
@@ -114,6 +115,10 @@ __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned lo
 __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* flags, unsigned int* epochs,
                      int rank, int p) {
     if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
+    // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
+    // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
+    // clears the flag on the stream when it raises).
+    if (*(volatile unsigned int*)&ctl->failed) return FAILED_BEFORE;
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
     __shared__ unsigned int call;
@@ -150,6 +155,7 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
             if (peer >= 0 && code == AGREED) code = outcome[peer];
             epochs[AGREE_SLOT] = e;
             if (code != AGREED && code != SELF_REFUSED) {
+                ctl->failed = 1u;
                 volatile unsigned int* s = ctl->status;
                 s[1] = (unsigned int)peer;
                 s[2] = (unsigned int)(seen[peer] & 0xffffffffu);

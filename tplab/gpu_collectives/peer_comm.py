@@ -164,7 +164,7 @@ class AllreducePlan:
         self.checked = False
 
     def __call__(self, x):
-        self.peers.raise_pending()
+        self.peers.raise_pending(self.stream)
         if self.torch:
             import torch
 
@@ -203,7 +203,7 @@ class AllreducePlan:
             return
         cupy.cuda.runtime.streamSynchronize(self.stream)
         self.checked = True
-        self.peers.raise_pending()
+        self.peers.raise_pending(self.stream)
 
 
 def _cupy_launcher(kernel, blocks, args):

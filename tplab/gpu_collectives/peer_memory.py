@@ -94,8 +94,8 @@ class PeerMemory:
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
         self.status[:] = 0
         self.broken: str | None = None                               # set when a peer never came
-        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer
-        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer], dtype=np.uint64))
+        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer, failed
+        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
         self._opened, data, flags = [], [], []
@@ -157,19 +157,24 @@ class PeerMemory:
         cupy.cuda.get_current_stream().synchronize()
         return self._take_status()
 
-    def raise_pending(self) -> None:
-        """Raise what an earlier call's agreement found (a call whose kernel stopped: its result is garbage).
-        Free: it reads a word of host memory the kernels write."""
+    def raise_pending(self, stream: int | None = None) -> None:
+        """Raise what an earlier call's agreement found, once its kernel has finished (a call that did not
+        wait: its result is not a sum). Free: it reads a word of host memory the kernels write. ``stream``:
+        where this rank's calls run (default: CuPy's current stream)."""
         if self.broken:
             raise CommTimeoutError(self.broken)
         if self.status[0]:
-            raise CollectiveArgumentError(self._take_status() + " (found after that call returned: its result "
-                                          "is not a sum; this call was not run)")
+            raise CollectiveArgumentError(self._take_status(stream) + " (found after that call returned: its "
+                                          "result is not a sum; this call was not run)")
 
-    def _take_status(self) -> str | None:
+    def _take_status(self, stream: int | None = None) -> str | None:
+        import cupy
+
         code = int(self.status[0])
         if not code:
             return None
+        stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
+        cupy.cuda.runtime.memsetAsync(self.control.data.ptr + 32, 0, 4, stream)  # Control.failed: kernels agree again
         peer, call = int(self.status[1]), int(self.status[4])
         theirs = int(self.status[2]) | int(self.status[3]) << 32
         mine = int(self.status[5]) | int(self.status[6]) << 32
