@@ -5,7 +5,7 @@
                      (up column-parallel, down row-parallel). It computes *partial* results: summed
                      over the p shards they give the unsplit attention / MLP output, less its bias.
     ShardedBlock     a block as the ranks hold it: the local shards, and the replicated pieces (two
-                     LayerNorms, the two output biases). TPBlock, SPDBlock and ParallelBlock differ
+                     LayerNorms, the two output biases). TPBlock, SPDBlock and UnsyncedBlock differ
                      only in where they sum the shards' partial results (their forward).
 
 Weights come from an unsplit ``tplab.models.gpt.Block`` (``from_dense``), sliced with tplab's own
