@@ -52,7 +52,8 @@ from tplab.comm import world  # noqa: E402
 from tplab.cost.sequence_parallel import attention_bytes  # noqa: E402
 from tplab.sequence import SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
 from tplab.sequence.gather import from_host, staged_allgather_first_dim, to_host  # noqa: E402
-from tplab.sequence.scaling import make_block, make_input, time_calls  # noqa: E402
+from tplab.sequence.scaling import make_block, make_input  # noqa: E402
+from tplab.toolkit.timing import time_calls  # noqa: E402
 
 COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
            "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
