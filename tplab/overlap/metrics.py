@@ -27,7 +27,7 @@ import tplab
 from tplab.layers import mappings
 from tplab.overlap.factory import overlapped
 from tplab.overlap.nullcomm import without_communication
-from tplab.toolkit.timing import time_forward, time_once  # noqa: F401 - time_forward: tplab.overlap's
+from tplab.toolkit.timing import time_forward, time_once
 
 
 def time_forwards(forwards: dict, comm, *, iters=10, warmup=2, cuda=False) -> dict:
