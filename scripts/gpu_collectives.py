@@ -30,6 +30,7 @@ import tplab
 from tplab.comm import StagedComm, nccl_world, world
 from tplab.comm.nccl import import_nccl
 from tplab.comm.staged import cuda_aware_mpi
+from tplab.toolkit.machine import mpi_library
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.size, COMM.rank
@@ -58,7 +59,7 @@ def machine_description(staged) -> str:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     v = import_nccl().get_version()
     nccl = f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
-    mpi = MPI.Get_library_version().splitlines()[0].strip()[:60]
+    mpi = mpi_library()[:60]
     gpus = cupy.cuda.runtime.getDeviceCount()
     who = f"{P}x {name}" if P == gpus else f"{P} of the {gpus} {name}"
     try:

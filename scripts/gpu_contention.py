@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_overlap import WORLD, machine_name, slug, sm_carveouts, tplab_gpu_paths  # noqa: E402
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
+from tplab.layers.attend import attend  # noqa: E402
 from tplab.overlap.streams import side_stream  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def block_compute(tokens, hidden, heads, p, dtype):
 
     def run():
         q, k, v = F.linear(x, w_qkv).view(1, tokens, 3, heads // p, d).permute(2, 0, 3, 1, 4)  # (1, heads/p, s, d)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)                        # (1, heads/p, s, d)
+        attn = attend(q, k, v, causal=True)                                                   # (1, heads/p, s, d)
         y = F.linear(attn[0].transpose(0, 1).reshape(tokens, local), w_o)                     # (s, h): partial
         return y, F.linear(F.gelu(F.linear(x + y, w_up)), w_down)                       # (s, h): partial
 

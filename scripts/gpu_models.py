@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.models import GPT, GPTConfig, generate, parallelize  # noqa: E402
-from tplab.models.speed import time_forward, time_generation, timing_mode  # noqa: E402
+from tplab.models.speed import time_generation, time_model_forward, timing_mode  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -125,7 +125,7 @@ def main():
         with torch.inference_mode():
             reference = model(tokens).double() if rank == 0 else None
             reference_tokens = generate(model, prompt, 16) if rank == 0 else None
-        unsplit_ms = time_forward(model, tokens, _Alone(), iters=args.iters)["forward_ms"] if rank == 0 else None
+        unsplit_ms = time_model_forward(model, tokens, _Alone(), iters=args.iters)["forward_ms"] if rank == 0 else None
         for transport, comm, algorithm in transports:
             with torch.device(device):
                 sharded = parallelize(model, comm, algorithm=algorithm).eval()
@@ -145,7 +145,7 @@ def main():
                        "dtype": dtype_name, "layers": args.layers, "hidden": config.n_embd, "heads": config.n_head,
                        "kv_heads": config.kv_heads, "batch": args.batch, "seq": args.seq,
                        "sequence_parallel": sequence_parallel,
-                       **time_forward(sharded, tokens, comm, iters=args.iters)}
+                       **time_model_forward(sharded, tokens, comm, iters=args.iters)}
                 if not sequence_parallel:
                     row.update(time_generation(sharded, prompt, args.new_tokens, comm))
                     row["gen_batch"] = args.gen_batch

@@ -82,6 +82,7 @@ from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear  # noqa: E402
 from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
 from tplab.overlap import progress_thread  # noqa: E402
+from tplab.toolkit.machine import cpu_model, mpi_library  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the GPU image's torch 2.11 has only these)
@@ -139,21 +140,8 @@ def machine_name(device) -> str:
         version = torch.cuda.nccl.version()
         nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         return f"{WORLD.size}x {card}, torch {torch.__version__}, NCCL {nccl}"
-    return (f"{WORLD.size} MPI ranks on a {os.cpu_count()}-core {cpu_model()} ({mpi_library()}), "
+    return (f"{WORLD.size} MPI ranks on a {os.cpu_count()}-core {cpu_model(short=True)} ({mpi_library(short=True)}), "
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1] for line in f if line.startswith("model name"))
-        return " ".join(w for w in re.sub(r"\((R|TM)\)", "", name).split() if w not in ("CPU", "Processor"))
-    except (OSError, StopIteration):
-        return "CPU"
-
-
-def mpi_library() -> str:
-    return " ".join(MPI.Get_library_version().splitlines()[0].replace("Version:", "").split(",")[0].split())
 
 
 def slug(text) -> str:
@@ -280,7 +268,7 @@ def main():
         paths = {"tplab MPI": world()}
         if "torch.distributed" in args.paths:  # gloo: a check of the GPU path's plumbing on CPU ranks
             paths["torch.distributed"] = TorchDistributedComm(device, in_place=True)
-        stem = f"overlap_cpu-{slug(cpu_model())}-{os.cpu_count()}-core_{WORLD.size}-ranks_{slug(mpi_library())}"
+        stem = f"overlap_cpu-{slug(cpu_model(short=True))}-{os.cpu_count()}-core_{WORLD.size}-ranks_{slug(mpi_library(short=True))}"
     machine = machine_name(device)
     csv = out / f"{stem}.csv"
     if WORLD.rank == 0:

@@ -52,7 +52,9 @@ from tplab.comm import world  # noqa: E402
 from tplab.cost.sequence_parallel import attention_bytes  # noqa: E402
 from tplab.sequence import SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
 from tplab.sequence.gather import from_host, staged_allgather_first_dim, to_host  # noqa: E402
-from tplab.sequence.scaling import make_block, make_input, time_calls  # noqa: E402
+from tplab.sequence.scaling import make_block, make_input  # noqa: E402
+from tplab.toolkit.machine import mpi_library  # noqa: E402
+from tplab.toolkit.timing import time_calls  # noqa: E402
 
 COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
            "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
@@ -77,7 +79,7 @@ def bind_gpu() -> int:
 
 def machine_description(host, device) -> str:
     if device == "cpu":  # (a dry run of the script on CPU ranks)
-        return f"CPU dry run: {os.cpu_count()} cores; torch {torch.__version__}; {MPI.Get_library_version().splitlines()[0]}"
+        return f"CPU dry run: {os.cpu_count()} cores; torch {torch.__version__}; {mpi_library()}"
     props = torch.cuda.get_device_properties(0)
     try:
         version = torch.cuda.nccl.version()
@@ -85,7 +87,7 @@ def machine_description(host, device) -> str:
     except Exception:  # noqa: BLE001 - only a label
         nccl = "?"
     return (f"{torch.cuda.device_count()}x {props.name} ({props.total_memory / 2**30:.0f} GiB); torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, NCCL {nccl}; host MPI {MPI.Get_library_version().splitlines()[0].strip()}; "
+            f"CUDA {torch.version.cuda}, NCCL {nccl}; host MPI {mpi_library()}; "
             f"{socket.gethostname()}")
 
 

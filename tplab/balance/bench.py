@@ -24,7 +24,7 @@ from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.schedulers import list_schedule, longest_first, makespan
 from tplab.balance.workloads import describe, make_requests
 from tplab.balance.workqueue import guided_chunks
-from tplab.toolkit.machine import cpu_model
+from tplab.toolkit.machine import cpu_model, mpi_library
 
 
 def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048, seed=0, dtype="float32"):
@@ -126,11 +126,7 @@ def measure_pipeline(model, requests, m_values=(1, 2, 4, 8), how=("count", "bala
 
 def machine_description() -> str:
     """A short honest description of where this runs: CPU model, cores, MPI library."""
-    from mpi4py import MPI
-
-    cpu = cpu_model()
-    mpi = MPI.Get_library_version().splitlines()[0].strip()
-    return f"{cpu}, {os.cpu_count()} cores, {mpi}, torch {torch.__version__}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {mpi_library()}, torch {torch.__version__}"
 
 
 # The workloads of the recorded CSVs: a long tail (max/median ~ 30 at 64 requests), two peaks, and flat.

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tplab.cost.tensor_parallel import layer_model
+from tplab.toolkit.timing import time_calls
 
 
 def sequence_flops(length: int, hidden_size: int, num_layers: int, vocab_size: int = 0, tp: int = 1) -> float:
@@ -100,8 +101,6 @@ class SequenceCost:
 def time_sequences(model, lengths, vocab_size: int, repeats: int = 3) -> list[float]:
     """Median seconds of ``model`` on one random sequence of each length (after one warm-up): the
     timings ``SequenceCost.fit`` wants. Runs on whatever ranks call it (a TP model: all of its group)."""
-    import time
-
     import torch
 
     out = []
@@ -109,11 +108,5 @@ def time_sequences(model, lengths, vocab_size: int, repeats: int = 3) -> list[fl
         for length in lengths:
             generator = torch.Generator().manual_seed(int(length))
             tokens = torch.randint(0, vocab_size, (1, int(length)), generator=generator)
-            model(tokens)
-            runs = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                model(tokens)
-                runs.append(time.perf_counter() - start)
-            out.append(float(np.median(runs)))
+            out.append(float(np.median(time_calls(lambda: model(tokens), iters=repeats, warmup=1))))
     return out

@@ -25,11 +25,9 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 MODES = ("single", "pad", "pack")
 
@@ -111,40 +109,10 @@ def embed(model, tokens, positions) -> torch.Tensor:
     return x if wpe is None else x + wpe(positions)
 
 
-@contextmanager
-def attention_mask(mask):
-    """Within this block, every ``scaled_dot_product_attention`` call uses ``mask`` instead of its own
-    causal mask. tplab's GPT (and its TP copy) has no mask argument, and every attention of it ends in
-    that one function, so this is where a packed batch's block-diagonal mask goes in; the projections,
-    rotary embeddings and f / g collectives around it run unchanged. ``None``: nothing changes."""
-    calls = [0]  # how many attentions took the mask
-    if mask is None:
-        yield calls
-        return
-    original = nn.functional.scaled_dot_product_attention
-
-    def masked(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        if q.shape[-2] != mask.shape[0] or k.shape[-2] != mask.shape[1]:
-            raise ValueError(f"packed mask {tuple(mask.shape)} does not fit attention over "
-                             f"{q.shape[-2]} queries and {k.shape[-2]} keys (a KV cache is not supported)")
-        calls[0] += 1
-        return original(q, k, v, attn_mask=mask, dropout_p=dropout_p, **kwargs)
-
-    nn.functional.scaled_dot_product_attention = masked
-    try:
-        yield calls
-    finally:
-        nn.functional.scaled_dot_product_attention = original
-
-
 def run_block(block, x, mask=None) -> torch.Tensor:
-    """One transformer block (dense or tensor-parallel); ``mask`` None means plain causal."""
-    with attention_mask(mask) as calls:
-        y = block(x)
-    if mask is not None and calls[0] == 0:  # the block computed attention some other way: mask ignored
-        raise RuntimeError(f"{type(block).__name__}'s attention does not call scaled_dot_product_attention, "
-                           "so the packed mask cannot reach it")
-    return y
+    """One transformer block (dense or tensor-parallel); ``mask`` None means plain causal, else it goes to
+    the block's attention (``tplab.layers.attend``) together with the causal mask."""
+    return block(x) if mask is None else block(x, mask=mask)
 
 
 def head(model, x) -> torch.Tensor:

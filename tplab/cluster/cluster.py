@@ -25,9 +25,11 @@ def engine_rank() -> dict:
     """Runs on an engine: who am I in MPI? ``cluster.run(engine_rank)`` asks every engine."""
     from mpi4py import MPI
 
+    from tplab.toolkit.machine import mpi_library
+
     world = MPI.COMM_WORLD
     return {"rank": world.Get_rank(), "size": world.Get_size(), "host": socket.gethostname(),
-            "pid": os.getpid(), "mpi_library": MPI.Get_library_version().splitlines()[0].strip()}
+            "pid": os.getpid(), "mpi_library": mpi_library()}
 
 
 def _on_engine(func, args, kwargs):

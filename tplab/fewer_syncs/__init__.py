@@ -4,7 +4,7 @@
     shard.py           BlockShard (one rank's heads and MLP columns) and what the blocks share
     tp_block.py        TPBlock: Megatron's block, 2 all-reduces per forward (exactly the unsplit block)
     spd_block.py       SPDBlock: the attention's all-reduce merged into the MLP's, 1 per forward
-    parallel_block.py  ParallelBlock / ParallelRun: no sync inside a run, 1 at its end
+    parallel_block.py  UnsyncedBlock (seed 002's Parallel_Block) / ParallelRun: no sync inside a run, 1 at its end
     model.py           FewerSyncsGPT from a block pattern; PATTERNS; syncs_per_forward (the formula)
     train.py           nanoGPT's shakespeare_char training loop for any pattern, simulated or real ranks
     comm_time.py       communication time per step on real ranks and on an emulated slow network
@@ -20,7 +20,7 @@ from tplab.fewer_syncs.model import (
     syncs_per_forward,
     weight_grad_syncs,
 )
-from tplab.fewer_syncs.parallel_block import ParallelBlock, ParallelRun
+from tplab.fewer_syncs.parallel_block import ParallelRun, UnsyncedBlock
 from tplab.fewer_syncs.ranks import RealRanks, SimulatedRanks
 from tplab.fewer_syncs.shard import BlockShard
 from tplab.fewer_syncs.spd_block import SPDBlock
@@ -33,13 +33,13 @@ __all__ = [
     "SEED_002_COMMUNICATIONS",
     "BlockShard",
     "FewerSyncsGPT",
-    "ParallelBlock",
     "ParallelRun",
     "RealRanks",
     "SPDBlock",
     "SimulatedRanks",
     "TPBlock",
     "TrainConfig",
+    "UnsyncedBlock",
     "dense_gpt",
     "learning_rate",
     "stages_of",

@@ -1,7 +1,10 @@
-"""Parallel blocks: no sync at all inside a run of consecutive parallel blocks.
+"""Parallel blocks (pattern entry 'parallel'): no sync at all inside a run of consecutive parallel blocks.
 
-Seed 002's Parallel_Block: the first block of a run copies x to every rank (f), every rank then carries
-*its own* residual stream x_i through the run, and the last block sums what the ranks added (g):
+Seed 002's Parallel_Block, here ``UnsyncedBlock`` (tplab.models' ParallelBlock is Megatron's tensor-parallel
+block, a different thing): attention and MLP one after the other, as in any GPT block, but each rank on
+its own residual stream, with no sync. The first block of a run copies x to every rank (f), every rank
+then carries *its own* residual stream x_i through the run, and the last block sums what the ranks added
+(g):
 
     x_i = x                                   f at the start of the run (no data moves forward)
     for each block in the run, on every rank i, no communication:
@@ -27,7 +30,9 @@ from torch import nn
 from tplab.fewer_syncs.shard import ShardedBlock, layer_norm
 
 
-class ParallelBlock(ShardedBlock):
+class UnsyncedBlock(ShardedBlock):
+    """One block of a run: each rank updates its own stream with its own heads and MLP columns."""
+
     keeps_output_biases = False
 
     def update(self, shard, xi, norms):
@@ -38,7 +43,7 @@ class ParallelBlock(ShardedBlock):
 
 
 class ParallelRun(nn.Module):
-    """Consecutive parallel blocks: f before the first, g after the last, nothing in between."""
+    """Consecutive parallel blocks (UnsyncedBlocks): f before the first, g after the last, nothing in between."""
 
     syncs_forward = 1
 
@@ -48,7 +53,7 @@ class ParallelRun(nn.Module):
 
     @classmethod
     def from_dense(cls, dense_blocks, ranks) -> "ParallelRun":
-        return cls([ParallelBlock(block, ranks) for block in dense_blocks], ranks)
+        return cls([UnsyncedBlock(block, ranks) for block in dense_blocks], ranks)
 
     def forward(self, x):  # (b, s, h), the same on every rank
         ranks = self.ranks

@@ -5,7 +5,7 @@
                      (up column-parallel, down row-parallel). It computes *partial* results: summed
                      over the p shards they give the unsplit attention / MLP output, less its bias.
     ShardedBlock     a block as the ranks hold it: the local shards, and the replicated pieces (two
-                     LayerNorms, the two output biases). TPBlock, SPDBlock and ParallelBlock differ
+                     LayerNorms, the two output biases). TPBlock, SPDBlock and UnsyncedBlock differ
                      only in where they sum the shards' partial results (their forward).
 
 Weights come from an unsplit ``tplab.models.gpt.Block`` (``from_dense``), sliced with tplab's own
@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tplab.layers import ColumnParallelLinear, RowParallelLinear
+from tplab.layers.attend import attend
 
 
 def _row_without_bias(linear: nn.Linear, view) -> RowParallelLinear:
@@ -54,7 +55,7 @@ class BlockShard(nn.Module):
         q = self.q.local(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, n/p, s, d)
         k = self.k.local(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         v = self.v.local(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, n/p, s, d): my heads, whole
+        y = attend(q, k, v, causal=True)  # (b, n/p, s, d): my heads, whole
         return self.o.local(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
     def mlp(self, x):  # x: (b, s, h), already normalised -> (b, s, h), this shard's partial sum

@@ -2,6 +2,8 @@
 
     mappings.py   the f / g conjugate ops and their sequence-parallel versions, as autograd functions
                   (``mappings.calls`` counts the collectives they ran)
+    attend.py     attend(q, k, v, causal=..., mask=...): the one attention every model and layer computes
+                  (causal lower-right, GQA, an extra mask); the KV cache's extend_cache and past_length
     linear.py     ColumnParallelLinear, RowParallelLinear (from_linear shards an nn.Linear)
     mlp.py        ParallelMLP: GELU or SwiGLU, tensor- or sequence-parallel (from_dense)
     attention.py  ParallelAttention: heads split over ranks, MHA and GQA (KV heads replicated when
@@ -11,6 +13,7 @@
     rotary.py     RotaryEmbedding (RoPE), computed as Hugging Face and Meta do
 """
 
+from tplab.layers.attend import attend
 from tplab.layers.attention import ParallelAttention
 from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tplab.layers.mappings import (
@@ -33,6 +36,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "attend",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",

@@ -23,37 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tplab.layers.attend import attend, extend_cache, past_length
 from tplab.layers.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-
-
-def attend(q, k, v):
-    """Causal attention where the queries are the *last* q.shape[2] positions of the keys (with a KV
-    cache, new tokens attend to everything before them)."""
-    new, total = q.shape[2], k.shape[2]
-    if new == total:
-        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(diagonal=total - new)
-    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def past_length(cache) -> int:
-    """How many positions the cache already holds (0 without one): the position of the first new token."""
-    return cache["k"].shape[2] if cache and "k" in cache else 0
-
-
-def extend_cache(cache, k, v):
-    """Append this step's keys and values (b, kv, s, d) to the layer's cache; return all of them."""
-    if cache is None:
-        return k, v
-    if "k" in cache:
-        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-    cache["k"], cache["v"] = k, v
-    return k, v
 
 
 def heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int]:
@@ -123,9 +99,10 @@ class ParallelAttention(nn.Module):
                 layer.o_bias = nn.Parameter(o_proj.bias.detach().clone())
         return layer
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, mask=None):
         """x: (b, s, h), the same on every rank; under sequence parallelism (s/p, b, h), my slice of the
-        sequence. cache: a dict holding my heads' past K and V (generation), or None."""
+        sequence. cache: a dict holding my heads' past K and V (generation), or None. mask: an extra
+        attention mask over the whole sequence (``attend``), e.g. packed sequences' block-diagonal one."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.comm, self.algorithm)  # (s, b, h), all of it
             x = x.transpose(0, 1).contiguous()  # (b, s, h): one copy, which the projections share
@@ -139,12 +116,7 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, k, first_position=past_length(cache))
         k, v = extend_cache(cache, k, v)  # (b, k/p, past + s, d)
-        repeat = self.local_heads // self.local_kv_heads  # each KV head serves this many query heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)  # (b, n/p, s, d)
-        if self.causal:
-            out = attend(q, k, v)  # (b, n/p, s, d)
-        else:
-            out = nn.functional.scaled_dot_product_attention(q, k, v)
+        out = attend(q, k, v, causal=self.causal, mask=mask)  # (b, n/p, s, d); each KV head serves n/k heads
         partial = self.o_proj(out.transpose(1, 2).reshape(b, s, self.local_heads * d))  # (b, s, h), partial
         if self.sequence_parallel:  # sum over ranks and keep my slice of the sequence: (s/p, b, h)
             y = reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1), self.comm, self.algorithm)

@@ -14,6 +14,7 @@ from torch import nn
 
 from tplab.comm import world
 from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear, mappings
+from tplab.layers.attend import attend
 from tplab.models.gpt import GPT, GPTConfig, generate
 from tplab.models.parallel import parallelize
 from tplab.models.speed import wait_sleeping_for_rank_0
@@ -76,9 +77,9 @@ def exactness(seed: int = 0) -> list[dict]:
         xr, x = x_full.clone().requires_grad_(), x_full.clone().requires_grad_()
         b, s, _ = xr.shape
         Q = q(xr).view(b, s, n, d).transpose(1, 2)
-        K = k(xr).view(b, s, kv, d).transpose(1, 2).repeat_interleave(n // kv, dim=1)
-        V = v(xr).view(b, s, kv, d).transpose(1, 2).repeat_interleave(n // kv, dim=1)
-        y_ref = o(nn.functional.scaled_dot_product_attention(Q, K, V, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        K = k(xr).view(b, s, kv, d).transpose(1, 2)  # (b, kv, s, d): attend repeats them for GQA
+        V = v(xr).view(b, s, kv, d).transpose(1, 2)
+        y_ref = o(attend(Q, K, V, causal=True).transpose(1, 2).reshape(b, s, h))
         y = sharded(x)
         y_ref.square().sum().backward()
         y.square().sum().backward()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tplab.layers.attention import attend, extend_cache, past_length
+from tplab.layers.attend import attend, extend_cache, past_length
 from tplab.layers.norms import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding
 
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * d, h, bias=config.bias, dtype=config.dtype)
         self.rotary = RotaryEmbedding(d, config.rope_theta) if config.position == "rope" else None
 
-    def forward(self, x, cache=None):  # (b, s, h); cache: this layer's dict of past keys and values
+    def forward(self, x, cache=None, mask=None):  # (b, s, h); cache: this layer's dict of past keys and values
         b, s, h = x.shape
         q = self.q_proj(x).view(b, s, self.n_head, self.head_dim).transpose(1, 2)  # (b, n, s, d)
         k = self.k_proj(x).view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)  # (b, kv, s, d)
@@ -88,9 +88,7 @@ class Attention(nn.Module):
         if self.rotary is not None:  # rotate q and k by their positions (after those already cached)
             q, k = self.rotary(q, k, first_position=past_length(cache))
         k, v = extend_cache(cache, k, v)  # (b, kv, past + s, d)
-        group = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, past + s, d)
-        y = attend(q, k, v)  # (b, n, s, d)
+        y = attend(q, k, v, causal=True, mask=mask)  # (b, n, s, d)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -116,8 +114,8 @@ class Block(nn.Module):
         self.norm1, self.attention = make_norm(config), Attention(config)
         self.norm2, self.mlp = make_norm(config), MLP(config)
 
-    def forward(self, x, cache=None):
-        x = x + self.attention(self.norm1(x), cache)
+    def forward(self, x, cache=None, mask=None):  # mask: an extra attention mask (attend), e.g. packing's
+        x = x + self.attention(self.norm1(x), cache, mask)
         return x + self.mlp(self.norm2(x))
 
 

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from tplab.layers import ParallelAttention, ParallelMLP
-from tplab.layers.attention import heads_per_rank, past_length
+from tplab.layers.attend import past_length
+from tplab.layers.attention import heads_per_rank
 from tplab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.mappings import (
     gather_from_sequence_parallel_region,
@@ -70,8 +71,9 @@ class ParallelBlock(nn.Module):
         self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
                                           algorithm=algorithm, sequence_parallel=sequence_parallel)
 
-    def forward(self, x, cache=None):  # x: (b, s, h) replicated, or (s/p, b, h) under sequence parallelism
-        x = x + self.attention(self.norm1(x), cache)
+    def forward(self, x, cache=None, mask=None):  # x: (b, s, h) replicated, or (s/p, b, h) under sequence
+        # parallelism; mask: an extra attention mask over the whole sequence (attend)
+        x = x + self.attention(self.norm1(x), cache, mask)
         return x + self.mlp(self.norm2(x))
 
 

@@ -7,7 +7,7 @@ stream; on CPUs with a monotonic clock. The tensors stay on whatever device the 
 collectives go through whatever communicator the model was sharded over (MPI for CPU tensors, a GPU
 communicator for CUDA tensors). tplab's argument checks are off while timing (they are not TP's cost).
 
-    time_forward(sharded, tokens, comm)                  -> {"forward_ms": ..., ...}
+    time_model_forward(sharded, tokens, comm)            -> {"forward_ms": ..., ...}
     time_generation(sharded, prompt, 32, comm)           -> {"tokens_per_s": ..., ...}
     forward_time_vs_tp(config, comm, batch=4, seq=64)    -> one row per TP degree (CPU ranks or GPUs)
 """
@@ -23,6 +23,7 @@ import torch
 from tplab.layers import mappings
 from tplab.models.gpt import GPT, GPTConfig, generate
 from tplab.models.parallel import check_splittable, parallelize
+from tplab.toolkit.timing import median_of_slowest, time_calls
 
 
 @contextmanager
@@ -40,43 +41,18 @@ def timing_mode(threads: int | None = None):
         torch.set_num_threads(old_threads)
 
 
-def _timed(fn, device) -> float:
-    """Seconds ``fn()`` takes on this rank (CUDA events around it on a GPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
-def _slowest_rank_median(times: list[float], comm) -> tuple[float, float]:
-    """(median over runs of the slowest rank's time, the fastest such run), the same on every rank."""
-    everyone = np.array(comm.allgather_object(times))  # (ranks, runs)
-    per_run = everyone.max(axis=0)
-    return float(np.median(per_run)), float(per_run.min())
-
-
 def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def time_forward(model, tokens, comm, iters: int = 10, warmup: int = 2) -> dict:
+def time_model_forward(model, tokens, comm, iters: int = 10, warmup: int = 2) -> dict:
     """Forward-pass time of ``model`` on ``tokens`` (collective: every rank of ``comm`` calls it)."""
     device = _device_of(model)
     tokens = tokens.to(device)
     with timing_mode():
-        for _ in range(warmup):
-            model(tokens)
-        times = []
-        for _ in range(iters):
-            comm.barrier()
-            times.append(_timed(lambda: model(tokens), device))
-    median, best = _slowest_rank_median(times, comm)
+        times = time_calls(lambda: model(tokens), iters=iters, warmup=warmup, barrier=comm.barrier,
+                           cuda=device.type == "cuda")
+    median, best = median_of_slowest(times, comm)
     return {"forward_ms": median * 1e3, "forward_min_ms": best * 1e3, "iters": iters}
 
 
@@ -86,13 +62,9 @@ def time_generation(model, prompt, new_tokens: int, comm, repeats: int = 3, warm
     device = _device_of(model)
     prompt = prompt.to(device)
     with timing_mode():
-        for _ in range(warmup):
-            generate(model, prompt, new_tokens)
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            times.append(_timed(lambda: generate(model, prompt, new_tokens), device))
-    median, best = _slowest_rank_median(times, comm)
+        times = time_calls(lambda: generate(model, prompt, new_tokens), iters=repeats, warmup=warmup,
+                           barrier=comm.barrier, cuda=device.type == "cuda")
+    median, _ = median_of_slowest(times, comm)
     return {"generate_s": median, "tokens_per_s": prompt.shape[0] * new_tokens / median, "new_tokens": new_tokens}
 
 
@@ -154,7 +126,7 @@ def forward_time_vs_tp(config: GPTConfig, comm=None, batch: int = 4, seq: int = 
             with timing_mode(threads):
                 row = {"tp": t, "batch": batch, "seq": seq, "sequence_parallel": sequence_parallel,
                        "dtype": str(config.dtype).replace("torch.", ""), "device": device.type,
-                       **time_forward(sharded, tokens, group, iters=iters, warmup=warmup)}
+                       **time_model_forward(sharded, tokens, group, iters=iters, warmup=warmup)}
                 if new_tokens:
                     row.update(time_generation(sharded, tokens[:, : max(seq // 4, 1)], new_tokens, group,
                                                repeats=max(2, iters // 3)))
@@ -186,5 +158,5 @@ def summary(rows) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["forward_flops", "forward_time_vs_tp", "summary", "time_forward", "time_generation", "timing_mode",
+__all__ = ["forward_flops", "forward_time_vs_tp", "summary", "time_generation", "time_model_forward", "timing_mode",
            "tp_degrees", "wait_sleeping_for_rank_0"]

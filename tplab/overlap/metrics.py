@@ -20,7 +20,6 @@ time is measured with CUDA events (``cuda=True``).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -28,11 +27,7 @@ import tplab
 from tplab.layers import mappings
 from tplab.overlap.factory import overlapped
 from tplab.overlap.nullcomm import without_communication
-
-
-def time_forward(forward, comm, *, iters=10, warmup=2, cuda=False) -> float:
-    """Seconds per call of ``forward()``: the slowest rank's median over ``iters`` (after ``warmup``)."""
-    return time_forwards({"forward": forward}, comm, iters=iters, warmup=warmup, cuda=cuda)["forward"]
+from tplab.toolkit.timing import time_forward, time_once
 
 
 def time_forwards(forwards: dict, comm, *, iters=10, warmup=2, cuda=False) -> dict:
@@ -43,27 +38,11 @@ def time_forwards(forwards: dict, comm, *, iters=10, warmup=2, cuda=False) -> di
     times = {name: [] for name in forwards}
     for i in range(warmup + iters):
         for name, forward in forwards.items():
-            seconds = _time_once(forward, comm, cuda)
+            seconds = time_once(forward, barrier=comm.barrier, cuda=cuda)
             if i >= warmup:
                 times[name].append(seconds)
     gathered = comm.allgather_object({name: statistics.median(t) for name, t in times.items()})
     return {name: max(medians[name] for medians in gathered) for name in forwards}
-
-
-def _time_once(forward, comm, cuda) -> float:
-    if cuda:
-        torch.cuda.synchronize()
-    comm.barrier()
-    if not cuda:
-        t = time.perf_counter()
-        forward()
-        return time.perf_counter() - t
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    forward()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def captured(forward):

@@ -4,8 +4,7 @@ all-reduce with the next chunk's compute: chunked_attention.py, micro_batches.py
 
 from __future__ import annotations
 
-from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from tplab.layers.attend import attend
 
 
 class QueryBlocks:
@@ -20,7 +19,7 @@ class QueryBlocks:
         if a.rotary is not None:
             q, k = a.rotary(q, k, first_position=0)
         repeat = a.local_heads // a.local_kv_heads  # (grouped-query attention: K, V heads shared by `repeat`)
-        if repeat > 1:
+        if repeat > 1:  # repeated once here, not again in every block's attend
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         self.q, self.k, self.v = q, k, v
         self.attention, self.batch = a, b
@@ -28,10 +27,8 @@ class QueryBlocks:
     def partial(self, start, end):
         """This rank's share of the attention output for query positions start..end: (b, end - start, h)."""
         a, q = self.attention, self.q[:, :, start:end]
-        if a.causal:  # the queries are the last positions of the keys 0..end: a lower-right causal mask,
-            # which PyTorch's flash / memory-efficient kernels take as it is (no (s_i, end) mask in memory)
-            mask = causal_lower_right(end - start, end)
-            out = nn.functional.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], attn_mask=mask)
+        if a.causal:  # the queries are the last positions of the keys 0..end (attend's lower-right mask)
+            out = attend(q, self.k[:, :, :end], self.v[:, :, :end], causal=True)
         else:
-            out = nn.functional.scaled_dot_product_attention(q, self.k, self.v)
+            out = attend(q, self.k, self.v, causal=False)
         return a.o_proj(out.transpose(1, 2).reshape(self.batch, end - start, a.local_heads * a.head_dim))

@@ -13,7 +13,7 @@ Memory: the full K and V on every rank, O(s) — what ring attention (ring.py) a
 
 Causal attention: a query at position t sees keys 0..t. For each of my chunks (layout.py) the keys it
 may see are a prefix of the sequence ending at the chunk's last token, so the chunk attends to that
-prefix with the causal mask aligned to the bottom right (``tplab.layers.attention.attend``). Keys after
+prefix with the causal mask aligned to the bottom right (``tplab.layers.attend.attend``). Keys after
 the chunk are never touched: under the contiguous layout rank i works on (i + 1/2)·(s/p)² score pairs,
 rank 0 least and rank p-1 most; under the zig-zag layout every rank does the same.
 
@@ -24,9 +24,8 @@ rank's q, k, v (and the weights that made them) exactly.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from tplab.layers.attention import attend
+from tplab.layers.attend import attend
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.gather import gather_sequence
 from tplab.sequence.layout import chunk_length, my_chunks, to_global_order
@@ -43,14 +42,14 @@ def attend_local(q, k_all, v_all, rank: int, p: int, *, causal: bool = True, lay
     No communication: this is the compute a rank does after the all-gathers."""
     seq_len = k_all.shape[2]
     k_all = repeat_kv(to_global_order(k_all, p, layout, dim=2), q.shape[1])  # (b, n, s, d), sequence order
-    v_all = repeat_kv(to_global_order(v_all, p, layout, dim=2), q.shape[1])
+    v_all = repeat_kv(to_global_order(v_all, p, layout, dim=2), q.shape[1])  # (once for all my chunks)
     if not causal:
-        return nn.functional.scaled_dot_product_attention(q, k_all, v_all)
+        return attend(q, k_all, v_all, causal=False)
     length = chunk_length(seq_len, p, layout)
     pieces = []
     for chunk, q_chunk in zip(my_chunks(rank, p, layout), q.split(length, dim=2)):
         end = (chunk + 1) * length  # keys after my chunk's last token are in its future: never touched
-        pieces.append(attend(q_chunk, k_all[:, :, :end], v_all[:, :, :end]))  # (b, n, L, d)
+        pieces.append(attend(q_chunk, k_all[:, :, :end], v_all[:, :, :end], causal=True))  # (b, n, L, d)
     return torch.cat(pieces, dim=2)
 
 

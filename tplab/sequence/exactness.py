@@ -10,10 +10,10 @@ can run them as they are: ``cluster.run(check_schemes)``.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tplab.comm import world
 from tplab.cost.sequence_parallel import attention_bytes, attention_messages
+from tplab.layers.attend import attend
 from tplab.models.gpt import Block, GPTConfig
 from tplab.sequence.layer import SCHEMES, SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import LAYOUTS, shard
@@ -31,9 +31,7 @@ def check_schemes(comm=None, *, batch=2, head_dim=8, seq_chunks=4, seed=0) -> li
     k, v = (_randn(batch, kv_heads, seq_len, head_dim, seed=seed + i) for i in (1, 2))  # (b, n_kv, s, d)
     rows = []
     for causal in (True, False):
-        group = heads // kv_heads
-        full = nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal)
+        full = attend(q, k, v, causal=causal)  # (b, n, s, d): the unsplit attention
         for layout in LAYOUTS:
             mine = [shard(t, rank, p, layout, dim=2) for t in (q, k, v)]
             for scheme, attention in SCHEMES.items():

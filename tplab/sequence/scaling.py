@@ -10,7 +10,7 @@ attention's s² work with it, which no number of ranks hides (``ideal_time_s`` s
 
 On CPU ranks (the notebook) every p runs on a sub-communicator of the first p ranks; the others wait.
 Timing follows tplab.lab.bench: warm-up, then iterations started together (barrier), medians, max over
-ranks. ``time_calls(..., cuda=True)`` times with CUDA events (scripts/gpu_sequence_parallel.py).
+ranks (tplab.toolkit.timing). ``cuda=True`` times with CUDA events (scripts/gpu_sequence_parallel.py).
 ``comm`` defaults to ``tplab.comm.world()``: ``cluster.run(scaling_study, mode="weak")`` in a notebook;
 ``scaling_study(device="gpu")`` runs on each rank's bound GPU over NCCL (tplab.comm.devices), timed with CUDA events.
 """
@@ -18,7 +18,6 @@ ranks. ``time_calls(..., cuda=True)`` times with CUDA events (scripts/gpu_sequen
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -31,6 +30,7 @@ from tplab.sequence.allgather_kv import attend_local
 from tplab.sequence.gather import gather_sequence
 from tplab.sequence.layer import SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import chunk_length, shard
+from tplab.toolkit.timing import slowest_median, time_calls
 
 # Seed 001 (harshita-mp/transformer-sequence-parallelism): hidden 5120, sequence 4096, batch 4, fp32,
 # all-gather K/V through CPU-staged mpi4py, 10 timed forward passes per point.
@@ -40,37 +40,6 @@ SEED_001 = [
     {"p": 2, "time_s": 0.816, "speedup": 1.16, "efficiency": 0.58, "tokens_per_s": 20072},
     {"p": 4, "time_s": 1.010, "speedup": 0.94, "efficiency": 0.23, "tokens_per_s": 16218},
 ]
-
-
-def time_calls(fn, *, iters: int, warmup: int, barrier=None, cuda: bool = False) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; each call starts after
-    ``barrier()`` (all ranks together). ``cuda``: CUDA events on the current stream, which count the time
-    the GPU waited for the host (staged copies, host MPI) as well as its own."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        if barrier is not None:
-            barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-    return times
-
-
-def slowest_median(times: list[float], comm) -> float:
-    """nccl-tests' convention: the median over iterations on each rank, then the slowest rank."""
-    return max(comm.allgather_object(statistics.median(times)))
 
 
 def make_block(hidden, heads, *, kv_heads=None, dtype=torch.float32, device="cpu", seed=0) -> Block:

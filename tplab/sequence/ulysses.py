@@ -22,10 +22,9 @@ backward is the all-to-all that sends the blocks back, so Ulysses is differentia
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tplab.collectives.alltoall import alltoall
-from tplab.sequence.allgather_kv import repeat_kv
+from tplab.layers.attend import attend
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.layout import from_global_order, to_global_order
 
@@ -69,6 +68,5 @@ def ulysses_attention(q, k, v, comm, *, causal: bool = True, layout: str = "cont
     p = comm.size
     q_h, k_h, v_h = (sequence_to_heads(t, comm) for t in (q, k, v))  # (b, n/p or n_kv/p, s, d)
     q_h, k_h, v_h = (to_global_order(t, p, layout, dim=2) for t in (q_h, k_h, v_h))  # sequence order
-    out = nn.functional.scaled_dot_product_attention(q_h, repeat_kv(k_h, q_h.shape[1]),
-                                                     repeat_kv(v_h, q_h.shape[1]), is_causal=causal)
+    out = attend(q_h, k_h, v_h, causal=causal)  # (b, n/p, s, d); attend repeats the K/V heads (GQA)
     return heads_to_sequence(from_global_order(out, p, layout, dim=2), comm)  # (b, n, s/p, d)

@@ -4,22 +4,34 @@ libraries a GPU measurement depends on. Every description of a machine comes fro
 from __future__ import annotations
 
 import platform
+import re
 import sys
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+def cpu_model(short: bool = False) -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows. ``short``: without
+    "(R)", "(TM)", "CPU" and "Processor" (for file names: "Intel Xeon Platinum 8480+")."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        name = platform.processor() or platform.machine()
+    if not short:
+        return name
+    return " ".join(w for w in re.sub(r"\((R|TM)\)", "", name).split() if w not in ("CPU", "Processor"))
+
+
+def mpi_library(short: bool = False) -> str:
+    """The MPI library's first line of version text ("Open MPI v4.1.6, package: ..."); ``short``: only its
+    name and version ("Open MPI v4.1.6")."""
+    from mpi4py import MPI
+
+    first = MPI.Get_library_version().splitlines()[0].strip()
+    return " ".join(first.replace("Version:", "").split(",")[0].split()) if short else first
 
 
 def software() -> str:
     """The libraries a GPU measurement depends on, in words (for a CSV's machine column)."""
-    from mpi4py import MPI
-
     parts = []
     if "cupy" in sys.modules:
         import cupy
@@ -34,5 +46,5 @@ def software() -> str:
         parts.append(f"CuPy {cupy.__version__}")
     if "torch" in sys.modules:
         parts.append(f"torch {sys.modules['torch'].__version__}")
-    parts.append(MPI.Get_library_version().splitlines()[0].strip()[:40])
+    parts.append(mpi_library()[:40])
     return ", ".join(parts)
