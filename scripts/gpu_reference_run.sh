@@ -20,7 +20,7 @@
 #                variant replayed from a CUDA graph (the host out of the way), one block and a stack of 4 in
 #                micro-batches (GRAPH_LAYERS), tails 1 and 2, NCCL / copy engines / peer 32 blocks, 2 repeats
 #                (GRAPH_REPEATS) (issue 7: P5)
-#   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
+#   collectives  scripts/gpu_collectives.py at p = 4 and 2, examples/gpu_ipc_allreduce.py at p = 4 (issue 6)
 #   peer         tests/gpu at p = 4, 3, 2, then scripts/gpu_peer_allreduce.py at p = 4 and 2: the flag-
 #                synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6: P1, P2)
 #   sequence4    scripts/gpu_sequence_parallel.py at p = 4 only, strong scaling (P4; p = 1 is timed inside)
@@ -81,7 +81,7 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
   collectives)
     stage collectives$NP 150 $MPI -n $NP python3 scripts/gpu_collectives.py --out "$R/coll$NP" --time-limit 110 --budget 0.2
     stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check
-    stage ipc$NP 120 $MPI -n $NP python3 scripts/gpu_ipc_allreduce.py "$R/ipc" ;;
+    stage ipc$NP 120 $MPI -n $NP python3 examples/gpu_ipc_allreduce.py "$R/ipc" ;;
   models)
     for p in $SCALING; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
   sequence)
