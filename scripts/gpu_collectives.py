@@ -1,6 +1,6 @@
 """tplab's hand-written all-reduce on GPUs against NCCL's, in one run on one machine.
 
-    mpiexec -n 4 python3 scripts/gpu_collectives.py --out $OUT          # one rank per GPU
+    mpiexec -n 4 python3 scripts/gpu_collectives.py --out DIR          # one rank per GPU; default build/gpu
 
 1. Correctness: every allreduce algorithm on every GPU transport (NCCL point-to-point, MPI staged
    pipelined, MPI staged naive) against NCCL's all-reduce, for int32/int64/float16/float32/float64 CuPy
@@ -31,6 +31,8 @@ from tplab.comm import StagedComm, nccl_world, world
 from tplab.comm.nccl import import_nccl
 from tplab.comm.staged import cuda_aware_mpi
 from tplab.toolkit.machine import mpi_library
+
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 COMM = MPI.COMM_WORLD
 P, RANK = COMM.size, COMM.rank
@@ -262,7 +264,7 @@ def timing(nccl, staged, naive, sizes, machine, budget_s, max_iters, deadline, u
 
 
 def table(rows) -> None:
-    """Time per size, and each one's ratio to NCCL's (the last lines of the device call's output)."""
+    """Time per size, and each one's ratio to NCCL's (the last lines of the output)."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
@@ -282,7 +284,8 @@ def table(rows) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=BUILD_GPU,
+                    help="where the CSVs go (default: build/gpu in the repository)")
     ap.add_argument("--min-bytes", default="1K")
     ap.add_argument("--max-bytes", default="256M")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed iterations per point")
@@ -292,6 +295,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--impls", default="", help="comma-separated algorithm/transport pairs to time (default: all)")
     args = ap.parse_args()
+    if RANK == 0:
+        os.makedirs(args.out, exist_ok=True)
     t0 = time.monotonic()
     nccl = nccl_world()
     staged, naive = StagedComm(world(), mode="auto"), StagedComm(world(), mode="naive")

@@ -1,7 +1,7 @@
 """What running next to each other costs: a transformer block's compute and its all-reduces, alone and
 together on one GPU per rank (issue 7: why overlapped communication is not free).
 
-    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_contention.py OUT_DIR \\
+    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_contention.py [OUT_DIR] \\
         --paths "torch.distributed,tplab peer,tplab copy engine" --peer-blocks 8,16,32 --sm-carveouts 0,16
 
 Overlap hides communication only where running it next to the compute costs less than running it after.
@@ -42,6 +42,8 @@ from gpu_overlap import WORLD, machine_name, slug, sm_carveouts, tplab_gpu_paths
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.layers.attend import attend  # noqa: E402
 from tplab.overlap.streams import side_stream  # noqa: E402
+
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 
 def block_compute(tokens, hidden, heads, p, dtype):
@@ -114,7 +116,8 @@ def measure(compute, comm, messages, units, carveout, iters, warmup):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
+                        help="where the CSVs go (default: build/gpu in the repository)")
     parser.add_argument("--paths", default="torch.distributed,tplab peer,tplab copy engine")
     parser.add_argument("--peer-blocks", default="8,16,32")
     parser.add_argument("--sm-carveouts", default="0,16")

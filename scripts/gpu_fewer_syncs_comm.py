@@ -1,7 +1,7 @@
 """Seed 002's block patterns on real GPU ranks: how much of a forward pass (and a training step) is
 spent in the all-reduces each pattern keeps, and how much each pattern saves against full TP.
 
-    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_fewer_syncs_comm.py OUT_DIR
+    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_fewer_syncs_comm.py [OUT_DIR]
 
 One MPI rank per GPU, tplab's collectives over ``tplab.comm.nccl_world()`` (NCCL point-to-point; with
 ``--algorithm builtin`` NCCL's own all-reduce). For each size (seed 002's 128-dimension model, and a
@@ -21,8 +21,11 @@ import torch
 from tplab.comm.nccl import nccl_world
 from tplab.fewer_syncs.comm_time import comm_time_df, time_saved
 
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
+
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("out_dir")
+parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
+                    help="where the CSVs go (default: build/gpu in the repository)")
 parser.add_argument("--sizes", default="128x4,1024x16", help="n_embd x n_head, comma-separated")
 parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--block-size", type=int, default=256)

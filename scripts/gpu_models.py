@@ -2,7 +2,7 @@
 
 Run once per GPU count, one MPI rank per GPU (rows are appended to one CSV):
 
-    for p in 1 2 4; do mpiexec -n $p python scripts/gpu_models.py --csv data/models_gpu_h100.csv; done
+    for p in 1 2 4; do mpiexec -n $p python scripts/gpu_models.py --out DIR; done   # DIR/models_gpu_<card>.csv
 
 Each run, for bf16 and fp32 (TF32 off, so fp32 is fp32):
   1. builds the model on every GPU from the same seed (hidden 4096, 32 heads, 8 KV heads, MLP 14336,
@@ -22,7 +22,7 @@ The ``machine`` column names the card (torch.cuda.get_device_name).
 ``--smoke`` runs the same script on CPU ranks with a tiny model (tplab's MPI transport, and the
 torch.distributed adapter over gloo), to check it before spending GPU time:
 
-    mpiexec -n 2 python scripts/gpu_models.py --smoke --csv /tmp/smoke.csv
+    mpiexec -n 2 python scripts/gpu_models.py --smoke --out build/smoke
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def llama_config(layers: int, dtype, smoke=False) -> GPTConfig:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", default=None, help="default: data/models_gpu_<card>.csv")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "build" / "gpu"),
+                    help="where models_gpu_<card>.csv goes (default: build/gpu in the repository)")
+    ap.add_argument("--csv", default=None, help="the CSV file itself, instead of OUT/models_gpu_<card>.csv")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
@@ -109,7 +111,7 @@ def main():
     device = torch.device("cpu") if args.smoke else bind_gpu()
     p, rank = WORLD.size, WORLD.rank
     card = "cpu (smoke test)" if args.smoke else torch.cuda.get_device_name(device)
-    path = Path(args.csv or Path(__file__).resolve().parents[1] / "data" /
+    path = Path(args.csv or Path(args.out) /
                 f"models_gpu_{card.lower().replace('nvidia', '').strip().split()[0]}.csv")
     transports = communicators(device)
     rows = []

@@ -1,6 +1,6 @@
 """Communication/computation overlap of a bf16 tensor-parallel transformer layer on GPUs (issue 7).
 
-    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_overlap.py OUT_DIR
+    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_overlap.py [OUT_DIR]     # default build/gpu
     NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1 mpiexec -n 4 python scripts/gpu_overlap.py OUT_DIR
     (Open MPI passes environment variables on with -x: mpiexec -x CUDA_DEVICE_MAX_CONNECTIONS=1 -x NCCL_NVLS_ENABLE=0 ...)
 
@@ -83,6 +83,8 @@ from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, R
 from tplab.overlap import Tracer, overlap_sweep, overlapped, pipeline_model, with_comm, write_chrome_trace  # noqa: E402
 from tplab.overlap import progress_thread  # noqa: E402
 from tplab.toolkit.machine import cpu_model, mpi_library  # noqa: E402
+
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 WORLD = MPI.COMM_WORLD
 # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor (the GPU image's torch 2.11 has only these)
@@ -222,7 +224,8 @@ def profile_host(block, x, paths, chunk_counts, tail):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
+                        help="where the CSVs go (default: build/gpu in the repository)")
     parser.add_argument("--hidden", type=int, help="default 5120 (GPU), 512 (CPU)")
     parser.add_argument("--heads", type=int, help="default 40 (GPU), 8 (CPU)")
     parser.add_argument("--seq", type=int, help="default 4096 (GPU), 256 (CPU)")

@@ -1,6 +1,6 @@
 """tplab's peer-memory and copy-engine all-reduces against NCCL, on one GPU node, in one run.
 
-    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python3 scripts/gpu_peer_allreduce.py OUT_DIR [--quick]
+    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python3 scripts/gpu_peer_allreduce.py [OUT_DIR] [--quick]   # default build/gpu
 
 Implementations (tplab.gpu_collectives.peer_memory, tplab.gpu_collectives.copy_engine; NCCL through CuPy's binding, no wrapper):
 
@@ -46,6 +46,8 @@ from tplab.comm import nccl_world  # noqa: E402
 from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
 from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
+
 COMM = MPI.COMM_WORLD
 P, R = COMM.size, COMM.rank
 NCCL_TYPES = {"float32": 7, "float64": 8, "int32": 2, "int64": 4, "float16": 6}  # ncclFloat32 ... (nccl.h)
@@ -67,7 +69,8 @@ def bf16_values(bits) -> cupy.ndarray:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "."))
+    parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
+                        help="where the CSVs go (default: build/gpu in the repository)")
     parser.add_argument("--max-bytes", default=256 << 20, type=int)
     parser.add_argument("--quick", action="store_true", help="correctness and a few sizes only")
     args = parser.parse_args()

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU reference runs of the notebooks, in one command on a lent 4-GPU machine; every CSV and log lands
-# under $OUT/results and is packed into $OUT/gpu_results.tar.gz (the device tool returns few files).
+# The GPU reference runs behind the notebooks' reference sections, on one GPU node (one MPI rank per GPU).
+# Every CSV and log lands in OUT_DIR, and OUT_DIR.tar.gz packs it (one file to copy off the node).
 #
-#   STAGES="train overlap collectives" bash scripts/gpu_reference_run.sh      # one call
-#   STAGES="models sequence" bash scripts/gpu_reference_run.sh                # the next
-#   NP=8 STAGES="peer collectives models sequence graphs" bash scripts/gpu_reference_run.sh   # TP=8 (issue 10)
+#   bash scripts/gpu_reference_run.sh [OUT_DIR]                              # default build/gpu/reference
+#   STAGES="train overlap collectives" bash scripts/gpu_reference_run.sh     # chosen stages
+#   NP=8 STAGES="peer collectives models sequence graphs" bash scripts/gpu_reference_run.sh   # an 8-GPU node: TP=8
 #
 # Stages (each under its own time limit, so one failure does not cost the others):
-#   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9)
+#   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9); a node
+#                without internet needs TPLAB_DATA_DIR set to a folder holding tinyshakespeare.txt
 #   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7): NCCL
 #                (torch.distributed), tplab's copy-engine all-reduce and its peer-memory two-shot
 #   contention   scripts/gpu_contention.py at p = 4: the block's compute and its all-reduces alone and together
@@ -15,26 +16,29 @@
 #                engines), cuBLAS SM carveout 0 and 16 (issue 7: what overlap costs)
 #   microbatch   scripts/gpu_overlap.py at p = 4, the block in micro-batches (k = 1, 2, 4), its last MLP in
 #                1 or 4 pieces, carveout 0 and 16, NCCL / copy engines / peer 16 and 32 blocks (issue 7: P5);
-#                MB_ENV adds mpiexec -x options, MB_TAG names the file (e.g. MB_ENV="-x CUDA_DEVICE_MAX_CONNECTIONS=1")
+#                MB_ENV sets NAME=VALUE pairs on every rank, MB_TAG names the file
+#                (e.g. MB_ENV="CUDA_DEVICE_MAX_CONNECTIONS=1" MB_TAG=cdmc1)
 #   graphs       tests/gpu/test_gpu_overlap.py at p = 4, then scripts/gpu_overlap.py --graphs at p = 4: every
 #                variant replayed from a CUDA graph (the host out of the way), one block and a stack of 4 in
 #                micro-batches (GRAPH_LAYERS), tails 1 and 2, NCCL / copy engines / peer 32 blocks, 2 repeats
 #                (GRAPH_REPEATS) (issue 7: P5)
-#   collectives  scripts/gpu_collectives.py at p = 4 and 2, scripts/gpu_ipc_allreduce.py at p = 4 (issue 6)
-#   peer         tests/gpu at p = 4, 3, 2, then scripts/gpu_peer_allreduce.py at p = 4 and 2: the flag-
-#                synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6: P1, P2)
+#   collectives  scripts/gpu_collectives.py at p = 4 and 2, examples/gpu_ipc_allreduce.py at p = 4 (issue 6)
+#   peer         tests/gpu at p = 4, 3, 2 (scripts/gpu_tests.sh), then scripts/gpu_peer_allreduce.py at p = 4
+#                and 2: the flag-synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6)
 #   sequence4    scripts/gpu_sequence_parallel.py at p = 4 only, strong scaling (P4; p = 1 is timed inside)
 #   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
 #   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
 #   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
-# The Tiny Shakespeare text must travel with the checkout: carry .carry/ holding tinyshakespeare.txt.
 set -u
+REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
+R=$(realpath -m "${1:-$REPOSITORY/build/gpu/reference}")
+cd "$REPOSITORY"
+# NVLink multicast (NVLS) off: some nodes' fabric does not support it, and NCCL then fails at start-up
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD OMP_NUM_THREADS=4
-R=$OUT/results; mkdir -p "$R"
+export PYTHONPATH=$REPOSITORY OMP_NUM_THREADS=4
+mkdir -p "$R"
 NP=${NP:-4}                                   # ranks (one per GPU) of the fixed-size stages; NP=8 on an 8-GPU node
 SCALING="1 2 4$( [ "$NP" -gt 4 ] && echo " $NP" )"     # the scaling stages' rank counts
-MPI="mpiexec --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONPATH -x PYTHONUNBUFFERED -x OMP_NUM_THREADS"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpus.txt"
 nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
 stage() {  # stage NAME SECONDS COMMAND...: run it, log it, say how it ended
@@ -50,44 +54,47 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
       cfg=$(python3 -c "from tplab.fewer_syncs import PATTERNS; print(list(PATTERNS)[$i])")
       mkdir -p "$R/train_$i"
       CUDA_VISIBLE_DEVICES=$i timeout 300 python3 scripts/train_fewer_syncs.py --device cuda --steps 2000 \
-        --configs "$cfg" --data-dir .carry --out "$R/train_$i" > "$R/log_train_$i.txt" 2>&1 &
+        --configs "$cfg" --out "$R/train_$i" > "$R/log_train_$i.txt" 2>&1 &
     done
     wait; echo "train: done"; tail -n 2 "$R"/log_train_*.txt ;;
   overlap)
     paths="torch.distributed,tplab copy engine,tplab peer"
-    stage overlap 240 $MPI -n $NP python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
-    stage overlap_cdmc1 150 $MPI -x CUDA_DEVICE_MAX_CONNECTIONS=1 -n $NP python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" --layers block,block_mb --paths "$paths" ;;
+    stage overlap 240 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_overlap.py "$R/overlap" --layers block,block_mb,mlp --paths "$paths"
+    stage overlap_cdmc1 150 bash scripts/mpi_run.sh CUDA_DEVICE_MAX_CONNECTIONS=1 -n $NP python3 scripts/gpu_overlap.py "$R/overlap_cdmc1" \
+      --layers block,block_mb --paths "$paths" ;;
   contention)
-    stage contention 150 $MPI -n $NP python3 scripts/gpu_contention.py "$R/contention"
-    stage contention_nccl8 90 $MPI -x NCCL_MAX_CTAS=8 -x TORCH_NCCL_HIGH_PRIORITY=1 -n $NP python3 scripts/gpu_contention.py \
+    stage contention 150 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_contention.py "$R/contention"
+    stage contention_nccl8 90 bash scripts/mpi_run.sh NCCL_MAX_CTAS=8 TORCH_NCCL_HIGH_PRIORITY=1 -n $NP python3 scripts/gpu_contention.py \
       "$R/contention" --paths torch.distributed --tag nccl-max-ctas-8 ;;
   microbatch)
-    stage microbatch${MB_TAG:+_$MB_TAG} 300 $MPI ${MB_ENV:-} -n $NP python3 scripts/gpu_overlap.py "$R/microbatch" --layers block_mb \
-      --chunks 1,2,4 --tails 1,4 --sm-carveouts 0,16 --paths "${MB_PATHS:-torch.distributed,tplab copy engine,tplab peer}" \
+    stage microbatch${MB_TAG:+_$MB_TAG} 300 bash scripts/mpi_run.sh ${MB_ENV:-} -n $NP python3 scripts/gpu_overlap.py "$R/microbatch" \
+      --layers block_mb --chunks 1,2,4 --tails 1,4 --sm-carveouts 0,16 \
+      --paths "${MB_PATHS:-torch.distributed,tplab copy engine,tplab peer}" \
       --peer-blocks 16,32 --tag "micro-batches${MB_TAG:+_$MB_TAG}" ;;
   graphs)
-    stage tests_overlap 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $NP python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_overlap.py
-    stage graphs 330 $MPI -n $NP python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers ${GRAPH_LAYERS:-block_mb,stack_mb} \
+    stage tests_overlap 150 bash scripts/mpi_run.sh TPLAB_UNDER_MPIEXEC=1 -n $NP python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_overlap.py
+    stage graphs 330 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_overlap.py "$R/graphs" --graphs --layers ${GRAPH_LAYERS:-block_mb,stack_mb} \
       --chunks 1,2,4 --tails 1,2 --paths "torch.distributed,tplab copy engine,tplab peer" --peer-blocks 32 \
       --repeats ${GRAPH_REPEATS:-2} --tag graphs ;;
   peer)
-    for p in $(seq $NP -1 2); do
-      stage tests_p$p 150 $MPI -x TPLAB_UNDER_MPIEXEC=1 -n $p python3 -m pytest -q -p no:cacheprovider tests/gpu
-    done
-    stage peer$NP 200 $MPI -n $NP python3 scripts/gpu_peer_allreduce.py "$R/peer"
-    stage peer2 150 $MPI -n 2 python3 scripts/gpu_peer_allreduce.py "$R/peer" ;;
+    RANK_COUNTS="$(seq -s ' ' $NP -1 2)" bash scripts/gpu_tests.sh "$R/tests"
+    stage peer$NP 200 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_peer_allreduce.py "$R/peer"
+    stage peer2 150 bash scripts/mpi_run.sh -n 2 python3 scripts/gpu_peer_allreduce.py "$R/peer" ;;
   sequence4)
-    stage sequence_p$NP 300 $MPI -n $NP python3 scripts/gpu_sequence_parallel.py "$R/sequence" --modes strong --schemes allgather_kv,ulysses,ring ;;
+    stage sequence_p$NP 300 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_sequence_parallel.py "$R/sequence" --modes strong \
+      --schemes allgather_kv,ulysses,ring ;;
   collectives)
-    stage collectives$NP 150 $MPI -n $NP python3 scripts/gpu_collectives.py --out "$R/coll$NP" --time-limit 110 --budget 0.2
-    stage collectives2 100 $MPI -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check
-    stage ipc$NP 120 $MPI -n $NP python3 scripts/gpu_ipc_allreduce.py "$R/ipc" ;;
+    stage collectives$NP 150 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_collectives.py --out "$R/coll$NP" --time-limit 110 --budget 0.2
+    stage collectives2 100 bash scripts/mpi_run.sh -n 2 python3 scripts/gpu_collectives.py --out "$R/coll2" --time-limit 70 --budget 0.2 --skip-check
+    stage ipc$NP 120 bash scripts/mpi_run.sh -n $NP python3 examples/gpu_ipc_allreduce.py "$R/ipc" ;;
   models)
-    for p in $SCALING; do stage models_p$p 150 $MPI -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
+    for p in $SCALING; do stage models_p$p 150 bash scripts/mpi_run.sh -n $p python3 scripts/gpu_models.py --csv "$R/models_gpu.csv"; done ;;
   sequence)
-    for p in $SCALING; do stage sequence_p$p 240 $MPI -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
+    for p in $SCALING; do stage sequence_p$p 240 bash scripts/mpi_run.sh -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
   syncs)
-    stage syncs 200 $MPI -n $NP python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
+    stage syncs 200 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
+  *)
+    echo "unknown stage $s" >&2 ;;
   esac
 done
-tar -czf "$OUT/gpu_results.tar.gz" -C "$OUT" results && ls -la "$OUT"
+tar -czf "$R.tar.gz" -C "$(dirname "$R")" "$(basename "$R")" && ls -la "$R.tar.gz"

@@ -3,7 +3,7 @@
 One MPI rank per GPU; run it once per p (the world size is p), all runs appending to one CSV:
 
     for p in 1 2 4; do
-      PYTHONPATH=$PWD mpiexec -n $p python3 scripts/gpu_sequence_parallel.py OUT_DIR      # Open MPI as root:
+      PYTHONPATH=$PWD mpiexec -n $p python3 scripts/gpu_sequence_parallel.py [OUT_DIR]      # Open MPI as root:
     done                                                                                  #  --allow-run-as-root
 
 Seed 001's layer (tplab.sequence.SequenceParallelBlock: LayerNorm, Q/K/V, attention, output projection,
@@ -55,6 +55,8 @@ from tplab.sequence.gather import from_host, staged_allgather_first_dim, to_host
 from tplab.sequence.scaling import make_block, make_input  # noqa: E402
 from tplab.toolkit.machine import mpi_library  # noqa: E402
 from tplab.toolkit.timing import time_calls  # noqa: E402
+
+BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
            "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
@@ -279,7 +281,8 @@ def component_rows(host, nccl, vendor, dtype_name, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
+                        help="where the CSVs go (default: build/gpu in the repository)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--modes", default="strong,weak")
     parser.add_argument("--schemes", default="allgather_kv,ulysses,ring")

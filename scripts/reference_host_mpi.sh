@@ -7,7 +7,7 @@ set -euo pipefail
 out=${1:?csv path}; machine=${2:?machine description}; shift 2
 ranks=${*:-2 4 8 16}
 export OMP_NUM_THREADS=1
-MPIEXEC=${MPIEXEC:-mpiexec}  # e.g. MPIEXEC="mpiexec --allow-run-as-root" for Open MPI as root
+MPIEXEC=${MPIEXEC:-mpiexec}  # e.g. MPIEXEC="bash scripts/mpi_run.sh" (Open MPI as root, in a container)
 rm -f "$out"
 for p in $ranks; do
   # correctness first: every algorithm against MPI_Allreduce on this machine, on every rank

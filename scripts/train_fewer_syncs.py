@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--out", default=".")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "build", "train_fewer_syncs"),
+                        help="where the CSVs go (default: build/train_fewer_syncs in the repository)")
     parser.add_argument("--p", type=int, default=4, help="simulated tensor-parallel ranks")
     parser.add_argument("--configs", default=",".join(PATTERNS), help="comma-separated names from PATTERNS")
     parser.add_argument("--batch-size", type=int, default=64)

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402  (seconds: 
 
 from tplab.comm import world  # noqa: E402
 from tplab.layers import mappings  # noqa: E402
-from tplab.models import generate, parallelize  # noqa: E402
+from tplab.models import parallelize  # noqa: E402
 from tplab.models.hf import from_hf_llama  # noqa: E402
 
 P = COMM.size
@@ -41,13 +41,13 @@ def test_sharded_llama_gives_hugging_face_logits(kv, tie):
     sharded = parallelize(hf, C)
     mappings.calls.clear()
     with torch.no_grad():
-        expected, got = hf(tokens).logits, sharded(tokens)
+        expected, got = hf(tokens).logits, sharded(tokens).logits
     err = float((got - expected).abs().max() / expected.abs().max())
     agree(err < 1e-10, f"relative difference {err:.2e} (kv heads {kv_heads}, tied {tie})")
     agree(same_on_every_rank(got.numpy().tobytes()), "ranks hold different logits")
     agree(dict(mappings.calls) == {"allreduce": 2 * 2 + 1, "allgather": 1}, str(dict(mappings.calls)))
     if tie:
-        agree(sharded.lm_head.weight is sharded.wte.weight, "the tied table is held twice")
+        agree(sharded.gpt.lm_head.weight is sharded.gpt.wte.weight, "the tied table is held twice")
 
 
 def test_sharded_llama_generates_hugging_faces_tokens():
@@ -55,7 +55,8 @@ def test_sharded_llama_generates_hugging_faces_tokens():
     prompt = torch.randint(1, 8 * P, (1, 5), generator=torch.Generator().manual_seed(92))
     expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
     for sequence_parallel in (False, True):
-        got = generate(parallelize(hf, C, sequence_parallel=sequence_parallel), prompt, 10)
+        sharded = parallelize(hf, C, sequence_parallel=sequence_parallel)
+        got = sharded.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
         agree(torch.equal(got, expected), f"SP={sequence_parallel}: {got[0].tolist()} vs HF {expected[0].tolist()}")
 
 
@@ -63,7 +64,7 @@ def test_float32_llama_within_float32_rounding():
     hf = hf_llama(1, dtype=torch.float32)
     tokens = torch.randint(0, 8 * P, (1, 7), generator=torch.Generator().manual_seed(93))
     with torch.no_grad():
-        expected, got = hf(tokens).logits, parallelize(hf, C)(tokens)
+        expected, got = hf(tokens).logits, parallelize(hf, C)(tokens).logits
     err = float((got - expected).abs().max() / expected.abs().max())
     agree(err < 1e-5, f"relative difference {err:.2e}")
 

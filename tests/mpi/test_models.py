@@ -79,6 +79,6 @@ def test_hugging_face_gpt2_sharded_gives_its_logits():
     tokens = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(71))
     with torch.no_grad():
         expected = hf(tokens).logits
-        got = parallelize(hf, C)(tokens)
+        got = parallelize(hf, C)(tokens).logits
     err = float((got - expected).abs().max() / expected.abs().max())
     agree(err < 1e-10, f"relative difference {err:.2e}")

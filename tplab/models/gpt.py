@@ -147,14 +147,22 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model, tokens, max_new_tokens: int, use_cache: bool = True):
+def generate(model, tokens, max_new_tokens: int, use_cache: bool = True, eos_token_id=None, pad_token_id=None):
     """Greedy decoding: append the most likely next token ``max_new_tokens`` times. With the KV cache
     each step feeds only the newest token (the keys and values of the others are kept); without it,
     each step recomputes the whole sequence. Works for GPT and its tensor-parallel copy alike; a
     sequence-parallel copy runs the steps whose length splits over the ranks (the prompt) sequence-
-    parallel and the others (one new token) tensor-parallel, with the same weights."""
+    parallel and the others (one new token) tensor-parallel, with the same weights.
+
+    ``eos_token_id`` (an id or a list of ids) ends a row as Hugging Face's greedy ``generate`` does: once
+    a row has produced one, it is filled with ``pad_token_id``, and decoding stops when every row has
+    ended (the result is then shorter than s + max_new_tokens)."""
     caches = [{} for _ in model.blocks] if use_cache else None
     sequence_parallel = getattr(model, "sequence_parallel", False)
+    eos = _as_id_tensor(eos_token_id, tokens.device)
+    if eos is not None and pad_token_id is None:
+        raise ValueError("eos_token_id needs a pad_token_id: the token that fills the rows that have ended")
+    unfinished = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
     out, step_input = tokens, tokens
     try:
         for _ in range(max_new_tokens):
@@ -163,9 +171,21 @@ def generate(model, tokens, max_new_tokens: int, use_cache: bool = True):
                 model.sequence_parallel = inputs.shape[1] % model.comm.size == 0
             logits = model(inputs, caches)  # (b, s, vocab)
             next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
+            if eos is not None:  # the same logits on every rank: every rank stops at the same step
+                next_token = torch.where(unfinished[:, None], next_token, pad_token_id)
+                unfinished &= ~torch.isin(next_token[:, 0], eos)
             out = torch.cat([out, next_token], dim=1)
             step_input = next_token
+            if not unfinished.any():
+                break
     finally:
         if sequence_parallel:
             model.sequence_parallel = True
     return out
+
+
+def _as_id_tensor(ids, device):
+    """None, or the token ids as a 1-D tensor (one id or a list of them)."""
+    if ids is None:
+        return None
+    return torch.as_tensor([ids] if isinstance(ids, int) else list(ids), device=device)

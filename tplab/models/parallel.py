@@ -6,7 +6,8 @@
 What is split (Megatron's recipe): the token embedding by vocabulary rows (VocabParallelEmbedding), each
 block's attention by heads and its MLP by hidden columns, the LM head by vocabulary (logits gathered).
 Replicated: position embeddings and the norms (cheap, and they need whole rows). Hugging Face's
-GPT2LMHeadModel and LlamaForCausalLM are converted to tplab's GPT first (hf.py), then split the same way.
+GPT2LMHeadModel and LlamaForCausalLM are converted to tplab's GPT first (hf.py), then split the same way,
+and answer as Hugging Face models do (hf_sharded.py): ``sharded(ids).logits``, ``sharded.generate(...)``.
 
 Collectives per forward pass, L blocks:
 
@@ -133,6 +134,9 @@ class ParallelGPT(nn.Module):
         return x
 
 
+HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM")
+
+
 def as_tplab_gpt(model) -> GPT:
     """tplab's GPT itself, or a Hugging Face GPT-2 / Llama converted to one (same weights, same logits)."""
     name = type(model).__name__
@@ -150,10 +154,19 @@ def as_tplab_gpt(model) -> GPT:
     return model
 
 
-def parallelize(model, comm, sequence_parallel: bool = False, algorithm="auto") -> ParallelGPT:
-    """A tensor-parallel copy of ``model`` (tplab's GPT, or Hugging Face's GPT2LMHeadModel or
-    LlamaForCausalLM) over the ranks of ``comm``: call it on every rank with the same model. Clear
-    errors, on every rank, for shapes that cannot be split (heads, KV heads, vocabulary, MLP size)."""
-    model = as_tplab_gpt(model)
-    check_splittable(model.config, comm.size)
-    return ParallelGPT(model, comm, algorithm, sequence_parallel=sequence_parallel)
+def parallelize(model, comm, sequence_parallel: bool = False, algorithm="auto"):
+    """A tensor-parallel copy of ``model`` over the ranks of ``comm``: call it on every rank with the same
+    model. Clear errors, on every rank, for shapes that cannot be split (heads, KV heads, vocabulary, MLP size).
+
+    tplab's GPT gives a ``ParallelGPT``: ``sharded(tokens)`` is the logits tensor, ``generate(sharded, ...)``
+    decodes. Hugging Face's GPT2LMHeadModel or LlamaForCausalLM gives a ``ShardedCausalLM`` (hf_sharded.py)
+    that answers as the Hugging Face model does: ``sharded(ids).logits`` and ``sharded.generate(ids,
+    max_new_tokens=k, do_sample=False)`` (greedy only), with the ParallelGPT inside as ``sharded.gpt``."""
+    gpt = as_tplab_gpt(model)
+    check_splittable(gpt.config, comm.size)
+    sharded = ParallelGPT(gpt, comm, algorithm, sequence_parallel=sequence_parallel)
+    if type(model).__name__ in HUGGING_FACE_MODELS:
+        from tplab.models.hf_sharded import ShardedCausalLM  # (imports transformers: only for its models)
+
+        return ShardedCausalLM(sharded, model)
+    return sharded

@@ -1,10 +1,16 @@
-"""The peer-memory all-reduces (tplab.comm.cuda_ipc) against NCCL's: one-shot and two-shot, integers
-exactly, floats within rounding, bitwise identical on every rank, buffers reused call after call.
-(The same checks ran on 4x H200 inside scripts/gpu_ipc_allreduce.py: 56 of 56 cases.)"""
+"""The host-synchronised CUDA-IPC all-reduces kept as an example (examples/cuda_ipc.py, once
+tplab.comm.cuda_ipc) against NCCL's: one-shot and two-shot, integers exactly, floats within rounding,
+bitwise identical on every rank, buffers reused call after call. The test stays here, with the GPU suite,
+so that examples/ holds no test files for pytest to find. (The same checks ran on 4x H200 inside
+examples/gpu_ipc_allreduce.py: 56 of 56 cases.)"""
+
+import sys
+from pathlib import Path
 
 from gputest import require_gpu
 
 require_gpu()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # cuda_ipc is not in the package
 
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
@@ -12,7 +18,7 @@ import pytest  # noqa: E402
 from mpitest import COMM, agree, same_on_every_rank  # noqa: E402
 
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.comm.cuda_ipc import PeerBuffers, peer_allreduce  # noqa: E402
+from cuda_ipc import PeerBuffers, peer_allreduce  # noqa: E402
 
 P = COMM.size
 NCCL = nccl_world()

@@ -1,6 +1,9 @@
 """Where does an allreduce's time go? Compare the pieces inside the algorithms with the micro-benchmarks.
 
-    mpiexec -n 4 python scripts/diagnose_model.py OUT.csv
+    mpiexec -n 4 python examples/diagnose_model.py OUT.csv
+
+(An example kept for history: the diagnosis that made tplab.cost.fit_on time ring steps back to back and
+additions into fresh memory instead of a hot ping-pong; notebook 02, section 3, tells that story.)
 
 For each algorithm and size: the median total time of a call, and inside it the summed time of its
 sendrecv calls, of its reductions (op.combine), and the rest (entry, allocation, Python). Next to them

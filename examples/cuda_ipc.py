@@ -1,5 +1,9 @@
 """All-reduce through peer memory (CUDA IPC), single node: every GPU reads the others' buffers directly.
 
+(An example kept for history, no longer part of the tplab package: it was tplab.comm.cuda_ipc, the first,
+host-synchronised version of what tplab.gpu_collectives.peer_memory now does with flags in GPU memory.
+examples/gpu_ipc_allreduce.py imports it from this folder; tests/gpu/test_gpu_cuda_ipc_example.py tests it.)
+
 On one NVLink node a GPU can map another GPU's memory into its own address space (CUDA IPC: the owner
 exports a handle, the others open it) and a kernel can then *read* that memory over NVLink as if it were
 local. Two all-reduces follow, both with a fixed order of summation, so every rank gets bitwise the same

@@ -1,6 +1,6 @@
-"""The peer-memory all-reduces (tplab.comm.cuda_ipc: one-shot, two-shot) against NCCL, on one GPU node.
+"""The peer-memory all-reduces (examples/cuda_ipc.py: one-shot, two-shot) against NCCL, on one GPU node.
 
-    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_ipc_allreduce.py OUT_DIR
+    NCCL_NVLS_ENABLE=0 mpiexec -n 4 python examples/gpu_ipc_allreduce.py [OUT_DIR]     # default build/gpu
 
 1. Correctness: int32 (exact), float16/float32/float64 (within the rounding of a p-term sum) against
    NCCL's all-reduce, counts 0, 1, 7, p+1, 1023, 65537, 2^20+3; the result bitwise identical on every rank.
@@ -20,10 +20,11 @@ import cupy
 import numpy as np
 
 import tplab
+from cuda_ipc import PeerBuffers, peer_allreduce  # (this folder: Python puts a script's folder on its path)
 from tplab.comm import nccl_world
-from tplab.comm.cuda_ipc import PeerBuffers, peer_allreduce
 
-out_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", ".")
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(REPOSITORY, "build", "gpu")
 comm = nccl_world()
 mpi, P, R = comm.mpi, comm.size, comm.rank
 MAX = 256 << 20
