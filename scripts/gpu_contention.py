@@ -68,8 +68,6 @@ set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", lambda sms: No
 def allreduce_of(comm):
     import tplab
 
-    if hasattr(comm, "tensor_allreduce"):
-        return comm.tensor_allreduce
     return lambda t: tplab.allreduce(t, comm, algorithm="auto", check=False)
 
 
@@ -150,7 +148,7 @@ def main():
                                                                        args.iters, args.warmup)
         cost = together - compute_ms
         rows.append({"machine": machine, "path": name, "ranks": p, "gemm_sm_carveout": carveout,
-                     "path_detail": f"{comm.blocks_used} blocks" if hasattr(comm, "blocks_used") else
+                     "path_detail": f"{comm.blocks_used} blocks" if getattr(comm, "blocks_used", None) else
                      (nccl_env if name == "torch.distributed" else ""),
                      "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
                      "tokens": args.tokens * args.units, "hidden": args.hidden, "message_bytes": nbytes,

@@ -165,17 +165,20 @@ def tplab_gpu_paths(names: str, peer_blocks: str, nbytes: int) -> dict:
     "tplab copy engine", "tplab peer" (one per grid size in ``peer_blocks``), "tplab ring" (over NCCL)."""
     paths = {}
     if "tplab copy engine" in names:  # bytes moved by copy engines, flags between rounds
-        from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce
+        from tplab.gpu_collectives.copy_engine import CopyEngineComm
 
-        paths["tplab copy engine"] = CopyEngineAllreduce(WORLD, nbytes)
+        # in place: the forward-only layer hands over a fresh partial product (no copy, as measured before)
+        paths["tplab copy engine"] = CopyEngineComm(WORLD, nbytes, in_place=True)
         if WORLD.rank == 0:
             print(f"tplab copy engine: barriers by {paths['tplab copy engine'].stream_barriers.kind}", flush=True)
     if "tplab peer" in names:  # the two-shot peer-memory kernel (SMs move the bytes)
-        from tplab.gpu_collectives.peer_memory import PeerMemory
+        from tplab.comm import nccl_world
+        from tplab.gpu_collectives import PeerMemoryComm
 
         for i, blocks in enumerate(int(b) for b in peer_blocks.split(",")):  # few blocks: SMs left to GEMMs
-            paths[f"tplab peer{f' ({blocks} blocks)' if i else ''}"] = peer = PeerMemory(WORLD, nbytes, blocks=blocks)
-            peer.algorithm, peer.blocks_used = "two_shot", blocks
+            paths[f"tplab peer{f' ({blocks} blocks)' if i else ''}"] = peer = PeerMemoryComm(nccl_world(), nbytes,
+                                                                                             blocks=blocks)
+            peer.kernel, peer.blocks_used = "two_shot", blocks
     if "tplab ring" in names:
         comm, why = tplab_nccl_comm()
         if comm is not None:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import tplab  # noqa: E402
 from tplab.toolkit.bfloat16 import narrow, widen  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.gpu_collectives.copy_engine import CopyEngineAllreduce  # noqa: E402
+from tplab.gpu_collectives.copy_engine import CopyEngineComm  # noqa: E402
 from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
 BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
@@ -79,7 +79,7 @@ def main():
     nccl = nccl_world()
     raw = nccl.nccl  # CuPy's NcclCommunicator
     pm = PeerMemory(COMM, args.max_bytes)
-    ce = CopyEngineAllreduce(COMM, args.max_bytes)
+    ce = CopyEngineComm(COMM, args.max_bytes)
     props = cupy.cuda.runtime.getDeviceProperties(pm.device)
     card = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     v = cupy.cuda.nccl.get_version()
@@ -140,7 +140,7 @@ def main():
                     verdict(f"{algorithm} {dtype} n={count} registered, in place", value(buf.copy()), want,
                             scale, tolerances[dtype])
             if dtype != "bfloat16":
-                y = ce.allreduce(x)
+                y = ce.builtin_allreduce(x)
                 verdict(f"copy_engine {dtype} n={count}", value(y), want, scale, tolerances[dtype])
             else:
                 y = x.copy()

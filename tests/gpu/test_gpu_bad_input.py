@@ -9,7 +9,6 @@ compare their calls on the GPUs, not by a host all-gather.
 
 import time
 
-import numpy as np
 import pytest
 from gputest import require_gpu
 
