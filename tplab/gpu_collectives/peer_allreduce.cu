@@ -102,6 +102,7 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned long long timeout_ns;
     unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
     unsigned int failed;              // an agreement failed here and the host has not raised it yet
+    unsigned int written;             // blocks of a one_shot that have written their part of the input
 };
 
 __device__ __forceinline__ unsigned long long globaltimer() {
@@ -110,11 +111,19 @@ __device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigne
     asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
 __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
     unsigned long long v; asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) {
+    unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
+// ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
+// part of the input into this rank's buffer; block 0 waits for them all (a counter in local memory), then
+// meets its peers' block 0 once -- one NVLink round trip for the whole call, whatever the grid. (Ordering:
+// each block's writes, its fence and counter increment, block 0's acquire of the counter and its
+// system-scope release to the peers form one causality chain.) Signature 0 then still meets the peers but
+// compares nothing.
 __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* flags, unsigned int* epochs,
-                     int rank, int p) {
-    if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
+                     int rank, int p, bool after_writes = false) {
+    if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
     // clears the flag on the stream when it raises).
@@ -126,7 +135,16 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
     if (threadIdx.x == 0) call = *(volatile unsigned int*)&ctl->calls + 1;
     if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
     __syncthreads();
+    if (after_writes && threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&ctl->written, 1u);
+    }
     if (blockIdx.x == 0) {
+        if (after_writes && threadIdx.x == 0) {
+            while (load_acquire_gpu(&ctl->written) < gridDim.x) { }
+            ctl->written = 0;                            // (the next kernel on this stream starts after this one)
+        }
+        __syncthreads();
         const unsigned int e = epochs[AGREE_SLOT] + 1;
         const int row = (e & 1u) * MAX_RANKS;
         const int q = threadIdx.x;
@@ -143,7 +161,7 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
                 const unsigned long long theirs =
                     ((volatile unsigned long long*)(flags[rank] + SIGNATURES))[row + q];
                 seen[q] = theirs;
-                if (theirs != sig) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
+                if (theirs != sig && sig != 0) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
             }
             outcome[q] = o;
         }
@@ -261,22 +279,22 @@ __device__ __forceinline__ uint4 add_packs(uint4 a, uint4 b) {
          i += 2LL * gridDim.x * blockDim.x, j += 2LL * gridDim.x * blockDim.x)
 
 // ---- one-shot: every rank reads all p buffers and sums them (small messages: one round) ------------------
-//   mine = x;  barrier(all);  out = sum over q of bufs[q] in rank order
-// The staging area alternates between two halves (the parity of this block's barrier count): before a
-// block writes a half again it has passed another barrier with every peer, which the peer could only reach
-// after finishing the kernel that read that half. So one barrier is enough, not two.
+//   mine = x;  agree(all) -- the agreement is the barrier;  out = sum over q of bufs[q] in rank order
+// The staging area alternates between two halves (the parity of the agreement count, which every call on
+// every path advances once): before a rank writes a half again it has passed another agreement with every
+// peer, which the peer could only reach after finishing the kernel that read that half. So one barrier is
+// enough, not two.
 template <typename T>
 __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                          unsigned int* epochs, int rank, int p, long long packs, long long base, long long half,
         Control* ctl, unsigned long long sig) {
-    AGREE_OR_RETURN();
-    const long long at = base + (long long)(epochs[blockIdx.x] & 1u) * half;
+    const long long at = base + (long long)(epochs[AGREE_SLOT] & 1u) * half;   // (read before block 0 moves it)
     const uint4* in[MAX_RANKS];
 #pragma unroll
     for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] + at : bufs[0];
     uint4* mine = bufs[rank] + at;
     FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
-    barrier(flags, epochs, rank, (1u << p) - 1);
+    if (agree(ctl, sig, flags, epochs, rank, p, true) != AGREED) { finish(ctl); return; }   // also the barrier
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
     finish(ctl);
 }

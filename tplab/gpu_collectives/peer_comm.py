@@ -122,11 +122,14 @@ class PeerMemoryComm(Communicator):
     def plan(self, collective, x, op=None, algorithm="auto"):
         if collective != "allreduce" or op != "sum":
             return None
+        # (strided views too: a plan copies them first. So whether a call takes this path depends only on
+        # what the ranks agree on -- shape, dtype, op, algorithm -- and never meets a general-path call of
+        # the same description, which would agree apart from the kernel that moves its data.)
         if is_torch(x):
-            ok = x.is_cuda and x.is_contiguous() and x.device.index == self.device
+            ok = x.is_cuda and x.device.index == self.device
             dtype, nbytes = str(x.dtype).removeprefix("torch."), x.numel() * x.element_size()
         elif is_gpu_array(x):
-            ok = x.flags.c_contiguous and x.device.id == self.device
+            ok = x.device.id == self.device
             dtype, nbytes = x.dtype.name, x.nbytes
         else:
             return None
@@ -150,6 +153,7 @@ class AllreducePlan:
 
         peers = self.peers = comm.peers
         self.torch, self.nbytes = is_torch(x), nbytes
+        self.contiguous = x.is_contiguous() if self.torch else x.flags.c_contiguous
         self.stream = torch_stream_pointer(x.device.index) if self.torch else cupy.cuda.get_current_stream().ptr
         algorithm = peers.choose(nbytes) if comm.kernel == "auto" else comm.kernel
         padded = -(-nbytes // PACK) * PACK
@@ -168,11 +172,13 @@ class AllreducePlan:
         if self.torch:
             import torch
 
+            x = x if self.contiguous else x.contiguous()
             out = torch.empty_like(x)
             source, target = x.data_ptr(), out.data_ptr()
         else:
             import cupy
 
+            x = x if self.contiguous else cupy.ascontiguousarray(x)
             out = cupy.empty_like(x)
             source, target = x.data.ptr, out.data.ptr
         if self.staged or source % PACK or target % PACK:

@@ -94,7 +94,7 @@ class PeerMemory:
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
         self.status[:] = 0
         self.broken: str | None = None                               # set when a peer never came
-        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer, failed
+        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer, failed | written
         self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
