@@ -1,6 +1,7 @@
 # tplab — two commands do everything on a fresh machine with Python >= 3.10 and pip:
 #   make demo   set up .venv, start an MPI cluster of N engines, execute the notebooks into build/, stop it
-#   make test   set up .venv, run the whole test suite (unit, MPI at several rank counts, notebooks)
+#   make test   set up .venv, check the import layers (lint-imports), run the whole test suite (unit, MPI at
+#               several rank counts, notebooks)
 #   make lab    JupyterLab on 127.0.0.1 with a token
 #
 # Variables:
@@ -40,6 +41,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: setup
