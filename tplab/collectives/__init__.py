@@ -189,8 +189,10 @@ def _planned(collective, x, comm, op, algorithm, check, each_call):
             comm.plans.clear()
         builtin_route = algorithm == "builtin" or not comm.point_to_point or (algorithm == "auto" and comm.prefers_builtin)
         fast = comm.plan(collective, x, op, algorithm) if builtin_route and (op is None or op in OPS) else None
-        plan = comm.plans[key] = fast or (lambda x: each_call(x, comm, op, algorithm, check))
-    return plan(x)
+        plan = comm.plans[key] = fast or (lambda x, comm: each_call(x, comm, op, algorithm, check))
+    return plan(x, comm)  # (a plan never holds its communicator: a cycle would leave a sub-communicator, and its
+    #                       NCCL communicator, to be destroyed by the garbage collector at a different moment on
+    #                       every rank -- a hang)
 
 
 def _allreduce_each_call(x, comm, op, algorithm, check):

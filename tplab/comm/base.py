@@ -135,9 +135,11 @@ class Communicator(abc.ABC):
 
     def plan(self, collective: str, x, op: str | None = None, algorithm: str = "auto"):
         """A persistent ``collective`` ("allreduce", "allgather", "reduce_scatter") for inputs like ``x``
-        (same shape, dtype, device, stream) by the transport's own collective: a callable ``plan(x) ->
+        (same shape, dtype, device, stream) by the transport's own collective: a callable ``plan(x, comm) ->
         result`` with the semantics of tplab.collectives' function, which does per call only what must be
-        done per call and checks the ranks' agreement itself (or says it does not). None where the transport
+        done per call and checks the ranks' agreement itself (or says it does not). It must not hold the
+        communicator (it is kept in ``comm.plans``: a reference cycle would leave the communicator to the
+        garbage collector, which frees it at a different moment on every rank). None where the transport
         has no such path (the default)."""
         return None
 

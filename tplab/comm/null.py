@@ -37,9 +37,12 @@ class NullComm(Communicator):
 
     def plan(self, collective, x, op=None, algorithm="auto"):
         """No conversion, no agreement: straight to the no-op (what the layer costs without its messages)."""
-        run = {"allreduce": self.builtin_allreduce, "allgather": self.builtin_allgather,
-               "reduce_scatter": self.builtin_reduce_scatter}.get(collective)
-        return None if run is None else (lambda x: run(x, op) if collective != "allgather" else run(x))
+        if collective == "allgather":
+            return lambda x, comm: comm.builtin_allgather(x)
+        if collective in ("allreduce", "reduce_scatter"):
+            name = f"builtin_{collective}"
+            return lambda x, comm: getattr(comm, name)(x, op)
+        return None
 
     def agree(self, description):
         return "; ".join(description.get("problems", ())) or None

@@ -58,10 +58,10 @@ class TorchDistributedComm(Communicator):
 
         if not isinstance(x, torch.Tensor) or collective not in ("allreduce", "allgather", "reduce_scatter"):
             return None
-        run = getattr(self, f"builtin_{collective}")
         if collective == "allgather":
-            return run
-        return lambda t: run(t, op)
+            return lambda t, comm: comm.builtin_allgather(t)
+        name = f"builtin_{collective}"
+        return lambda t, comm: getattr(comm, name)(t, op)
 
     def builtin_allreduce(self, x, op="sum"):
         import torch

@@ -145,7 +145,7 @@ class CopyEngineComm(Communicator):
         """torch CUDA tensors straight to the copy engines, on torch's current stream."""
         if collective != "allreduce" or op != "sum" or not is_torch(x) or not x.is_cuda:
             return None
-        return self._allreduce_tensor
+        return lambda t, comm: comm._allreduce_tensor(t)   # (holds no communicator)
 
     def _allreduce_tensor(self, t):
         import cupy

@@ -167,7 +167,7 @@ class AllreducePlan:
         self.launch = fast_launcher(kernel, blocks, THREADS, args) or _cupy_launcher(kernel, blocks, args)
         self.checked = False
 
-    def __call__(self, x):
+    def __call__(self, x, comm=None):
         self.peers.raise_pending(self.stream)
         if self.torch:
             import torch
