@@ -98,14 +98,16 @@ def test_plans_do_not_keep_their_communicator_alive():
     from tplab.comm import world
     from tplab.comm.null import NullComm
 
+    def used_and_dropped(make):
+        comm = make()
+        tplab.allreduce(torch.ones(3), comm)
+        tplab.allgather(torch.ones(3), comm)
+        tplab.reduce_scatter(torch.ones(3), comm)
+        return weakref.ref(comm)
+
     gc.disable()
     try:
-        for comm in (world().split(0), NullComm(0, 1)):
-            tplab.allreduce(torch.ones(3), comm)
-            tplab.allgather(torch.ones(3), comm)
-            tplab.reduce_scatter(torch.ones(3), comm)
-            alive = weakref.ref(comm)
-            del comm
-            assert alive() is None, "freed as soon as the last reference goes"
+        for make in (lambda: world().split(0), lambda: NullComm(0, 1)):
+            assert used_and_dropped(make)() is None, "freed as soon as the last reference goes"
     finally:
         gc.enable()
