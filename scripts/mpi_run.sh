@@ -5,7 +5,9 @@
 #
 # MPICH's hydra forwards the whole environment by itself; Open MPI forwards only the variables named with
 # -x, needs --allow-run-as-root when run as root (containers) and --oversubscribe where it counts fewer slots
-# than ranks. Another launcher: set MPIEXEC (e.g. MPIEXEC="srun --mpi=pmix"), used as it is.
+# than ranks, and binds each rank to one core by default (--bind-to none here: a rank's NCCL and CUDA host
+# threads share that one core; on 4x H100 a bound p = 2 run of tests/gpu timed out in test_gpu_overlap.py and
+# an unbound one passed -- the cause was not proven). Another launcher: set MPIEXEC (e.g. MPIEXEC="srun --mpi=pmix"), used as it is.
 set -u
 while [[ "${1:-}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do export "$1"; shift; done
 FORWARDED="NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS PYTHONPATH PYTHONUNBUFFERED
@@ -16,7 +18,7 @@ if [ -n "${MPIEXEC:-}" ]; then
 fi
 launcher=(mpiexec)
 if mpiexec --version 2>&1 | grep -qi "open mpi\|openrte"; then
-  launcher+=(--oversubscribe)
+  launcher+=(--oversubscribe --bind-to none)
   [ "$(id -u)" = 0 ] && launcher+=(--allow-run-as-root)
   for name in $FORWARDED; do
     [ -n "${!name+set}" ] && launcher+=(-x "$name")
