@@ -288,20 +288,25 @@ class Communicator(abc.ABC):
         """Every rank's ``obj``, in rank order (small metadata only; not counted)."""
 
     # ---- the library's own collectives (same semantics as tplab.allreduce & co.) ----------------------
-    @abc.abstractmethod
-    def builtin_allreduce(self, x, op: str): ...
+    # Arrays in are numpy or CuPy views (bfloat16 as 16-bit integers, with the op's bfloat16 variant); a
+    # transport that lacks one leaves the default, which refuses it (tplab.collectives then falls back).
+    def _not_here(self, name: str):
+        raise Unsupported(f"{type(self).__name__} has no {name} of its own")
 
-    @abc.abstractmethod
-    def builtin_reduce_scatter(self, x, op: str): ...
+    def builtin_allreduce(self, x, op: str):
+        self._not_here("all-reduce")
 
-    @abc.abstractmethod
-    def builtin_allgather(self, x): ...
+    def builtin_reduce_scatter(self, x, op: str):
+        self._not_here("reduce-scatter")
 
-    @abc.abstractmethod
-    def builtin_broadcast(self, x, root: int): ...
+    def builtin_allgather(self, x):
+        self._not_here("all-gather")
 
-    @abc.abstractmethod
-    def builtin_reduce(self, x, op: str, root: int): ...
+    def builtin_broadcast(self, x, root: int):
+        self._not_here("broadcast")
+
+    def builtin_reduce(self, x, op: str, root: int):
+        self._not_here("reduce")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self.rank} of {self.size}>"

@@ -166,21 +166,6 @@ class CopyEngineComm(Communicator):
         self.allreduce_(y, element)
         return y
 
-    def _whole_collectives_only(self, name):
-        raise Unsupported(f"CopyEngineComm has an all-reduce only, no {name}")
-
-    def builtin_reduce_scatter(self, x, op="sum"):
-        self._whole_collectives_only("reduce-scatter")
-
-    def builtin_allgather(self, x):
-        self._whole_collectives_only("all-gather")
-
-    def builtin_broadcast(self, x, root=0):
-        self._whole_collectives_only("broadcast")
-
-    def builtin_reduce(self, x, op="sum", root=0):
-        self._whole_collectives_only("reduce")
-
     def barrier(self) -> None:
         import cupy
 

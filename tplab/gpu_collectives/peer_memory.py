@@ -35,8 +35,7 @@ import ctypes
 import numpy as np
 
 from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
-from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, torch_as_cupy,
-                                                type_name, whole_packs)
+from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
 
 ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")
@@ -282,21 +281,6 @@ class PeerMemory:
             args += [np.int64(chunk), np.int64(packs)]
         args += [self.control, np.uint64(sig)]
         return kernel(f"{algorithm}<{element}>"), blocks, tuple(args)
-
-    def allreduce_torch(self, tensor, algorithm: str = "auto", out=None, *, check: bool = True):
-        """The same for a torch CUDA tensor (no copy: CuPy sees its memory; bfloat16 travels as its 16
-        bits), queued on torch's current stream. ``out=tensor`` reduces in place."""
-        import cupy
-        import torch
-
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        out = torch.empty_like(tensor) if out is None else out
-        x, type_name = torch_as_cupy(tensor)
-        y, _ = torch_as_cupy(out)
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            self.allreduce(x, algorithm, y, bf16=type_name == "bf16_bits", check=check)
-        return out
 
     # ---- all-gather ----------------------------------------------------------------------------------------
     def allgather(self, x, out=None, *, check: bool = True):
