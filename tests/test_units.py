@@ -111,3 +111,19 @@ def test_plans_do_not_keep_their_communicator_alive():
             assert used_and_dropped(make)() is None, "freed as soon as the last reference goes"
     finally:
         gc.enable()
+
+
+def test_one_colour_per_algorithm_in_every_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from tplab.lab.plots import color_of, plot_speedup, plot_times
+
+    df = pd.DataFrame({"size": [8, 16, 8, 16], "time_us": [1.0, 2.0, 1.5, 2.5], "algorithm": ["ring", "ring", "builtin", "builtin"]})
+    lines = {line.get_label(): line.get_color() for line in plot_times(df).axes[0].get_lines()}
+    assert lines == {"ring": color_of("ring"), "builtin": color_of("builtin")}
+    speedup = {line.get_label(): line.get_color() for line in plot_speedup(df).axes[0].get_lines() if line.get_label() == "ring"}
+    assert speedup["ring"] == color_of("ring")
+    assert color_of("some new algorithm") == color_of("some new algorithm")  # stable for names not listed

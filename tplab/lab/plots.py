@@ -5,12 +5,42 @@
     plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
     plot_overlap_sweep(df)         a layer's time and hidden fraction against the chunk count (tplab.overlap)
     plot_overlap_summary(df)       per path: a layer without overlap vs overlapped at its best (gpu_overlap.py rows)
+    setup()                        readable figures at JupyterLab's width (the notebooks' first cell calls it)
+    color_of(name)                 one colour per algorithm or path, the same in every figure
 """
 
 from __future__ import annotations
 
+import zlib
+
 import matplotlib.pyplot as plt
 import numpy as np
+
+# One colour per algorithm (and per GPU path), whichever figure it appears in: a reader learns "ring is
+# orange" once. Names not listed get a stable colour of their own from the rest of the palette.
+COLORS = {
+    "builtin": "black", "MPI_Allreduce": "black", "nccl": "black", "NCCL": "black", "torch.distributed": "black",
+    "naive": "tab:gray", "ring": "tab:orange", "recursive_doubling": "tab:blue", "recursive_halving": "tab:blue",
+    "rabenseifner": "tab:green", "tree": "tab:purple", "binomial": "tab:purple", "hierarchical": "tab:brown",
+    "auto": "tab:red", "tplab.allreduce": "tab:red", "persistent kernel": "tab:pink",
+    "peer_one_shot": "tab:cyan", "one_shot": "tab:cyan", "peer_two_shot": "tab:olive", "two_shot": "tab:olive",
+    "peer_ring": "tab:orange", "copy_engine": "tab:brown",
+}
+_SPARE = ["#1f77b4", "#8c564b", "#17becf", "#bcbd22", "#9467bd", "#e377c2", "#7f7f7f", "#2ca02c", "#d62728"]
+
+
+def color_of(name) -> str:
+    """The colour of an algorithm or path in every tplab figure."""
+    name = str(name)
+    return COLORS.get(name) or _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
+
+
+def setup(dpi: int = 110, font_size: float = 9.0) -> None:
+    """Figures readable at JupyterLab's width: a size that needs no shrinking, legends and ticks >= 8 pt."""
+    plt.rcParams.update({"figure.dpi": dpi, "figure.figsize": (7.0, 4.0), "font.size": font_size,
+                         "axes.titlesize": font_size + 1, "axes.labelsize": font_size,
+                         "legend.fontsize": max(8.0, font_size - 1), "xtick.labelsize": max(8.0, font_size - 1),
+                         "ytick.labelsize": max(8.0, font_size - 1), "figure.constrained_layout.use": True})
 
 
 def _contributors(mask: int, p: int) -> str:
@@ -98,7 +128,7 @@ def plot_times(df, x="size", y="time_us", hue="algorithm", title=None, ax=None):
         fig = ax.figure
     for name, group in df.groupby(hue, sort=False):
         group = group.sort_values(x)
-        ax.plot(group[x], group[y], marker="o", ms=3, label=name)
+        ax.plot(group[x], group[y], marker="o", ms=3, label=name, color=color_of(name))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message size per rank (bytes)" if x == "size" else x)
@@ -120,7 +150,7 @@ def plot_speedup(df, baseline="builtin", title=None, ax=None):
     times = df.pivot_table(index="size", columns="algorithm", values="time_us", sort=False)
     for name in times.columns:
         if name != baseline:
-            ax.plot(times.index, times[baseline] / times[name], marker="o", ms=3, label=name)
+            ax.plot(times.index, times[baseline] / times[name], marker="o", ms=3, label=name, color=color_of(name))
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -190,7 +220,7 @@ def plot_overlap_sweep(df, title=None, axes=None):
         right.plot(k, df["predicted_hidden_fraction"], "s--", mfc="none", color="tab:green", label="pipeline model")
     right.axhline(1, color="gray", lw=1)
     right.axhline(0, color="gray", lw=1, ls="--")
-    right.axhline(0.75, color="tab:orange", lw=1, ls=":", label="issue 7's goal: 75% hidden")
+    right.axhline(0.75, color="tab:orange", lw=1, ls=":", label="goal: 75% hidden")
     right.set(xscale="log", xlabel="chunks k", ylabel="hidden fraction = 1 - exposed / comm alone")
     right.set_xticks(list(k), [str(v) for v in k])
     right.legend(fontsize=7)
