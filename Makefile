@@ -1,16 +1,21 @@
-# tplab — two commands do everything on a fresh machine with Python >= 3.10 and pip:
-#   make demo   set up .venv, start an MPI cluster of N engines, execute the notebooks into build/, stop it
-#   make test   set up .venv, check the import layers (lint-imports), run the whole test suite (unit, MPI at
-#               several rank counts, notebooks)
-#   make lab    JupyterLab on 127.0.0.1 with a token
+# tplab — on a fresh machine with Python >= 3.10 (with venv and pip) and make:
+#   make setup  create .venv and install tplab with everything it needs (the other targets do it first if needed)
+#   make lab    JupyterLab on 127.0.0.1 with a token; open notebooks/00_cluster.ipynb first
+#   make demo   start an MPI cluster of N engines, execute the notebooks into build/, stop it
+#   make test   check the import layers (lint-imports), run the whole test suite (unit, MPI at several rank
+#               counts, notebooks)
+#
+# On a laptop, create .venv with the small CPU build of torch, whichever target runs first:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu      (then make lab / demo / test)
+# .venv is created once; rm -rf .venv to create it again with other variables.
 #
 # Variables:
 #   N=4                    MPI engines for make demo
 #   PYTHON=python3         interpreter that creates the venv
-#   TORCH="torch==2.13.0"  torch requirement installed first (the CPU wheel on these machines);
-#                          TORCH=torch on a GPU node takes PyPI's CUDA build; TORCH= skips it
-#   TORCH_INDEX=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu for the small
-#                          CPU build on a laptop (PyPI's default Linux wheel is the CUDA one, GBs)
+#   TORCH="torch==2.13.0"  torch requirement installed first; from PyPI's default index on Linux that is the
+#                          CUDA build (GBs): on a GPU node TORCH=torch takes it as is; TORCH= skips torch
+#   TORCH_INDEX=URL        where torch comes from: https://download.pytorch.org/whl/cpu for the small CPU build
+#                          (a few hundred MB), the laptop choice for every target (setup, lab, demo, test)
 #   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
 
 PYTHON ?= python3
