@@ -1,8 +1,14 @@
 """Notebooks 02 and 03's exercises (formulas and tables, no ranks) and the predict-then-run helper."""
 
-from tplab.lab.exercises import (check_busiest_bytes, check_crossover, check_decision, check_prediction,
-                                 check_ring_time, passed)
-from tplab.lab.exercises import solutions
+from tplab.lab.exercises import (
+    check_busiest_bytes,
+    check_crossover,
+    check_decision,
+    check_prediction,
+    check_ring_time,
+    passed,
+    solutions,
+)
 
 
 def test_solutions_pass():
@@ -17,9 +23,9 @@ def problems(report):
 
 
 def test_ring_time_hints():
-    whole_vector = lambda p, n, a, b, g: 2 * (p - 1) * a + 2 * (p - 1) * n * b + (p - 1) * n * g  # noqa: E731
+    whole_vector = lambda p, n, a, b, g: 2 * (p - 1) * a + 2 * (p - 1) * n * b + (p - 1) * n * g
     assert "each ring step moves one block of n/p bytes" in problems(check_ring_time(whole_vector, progress=False))
-    no_gamma = lambda p, n, a, b, g: 2 * (p - 1) * a + 2 * (p - 1) / p * n * b  # noqa: E731
+    no_gamma = lambda p, n, a, b, g: 2 * (p - 1) * a + 2 * (p - 1) / p * n * b
     assert "no γ term" in problems(check_ring_time(no_gamma, progress=False))
 
 
@@ -42,7 +48,7 @@ def test_crossover_and_decision_hints():
         return next((int(s) for s in t.index if t.loc[s, large] < t.loc[s, small]), None)
 
     assert "wins by luck" in problems(check_crossover(first_win, progress=False))
-    fastest_anywhere = lambda df, n: df.loc[df.time_us.idxmin(), "algorithm"]  # noqa: E731
+    fastest_anywhere = lambda df, n: df.loc[df.time_us.idxmin(), "algorithm"]
     assert "builtin" in problems(check_decision(fastest_anywhere, progress=False))
 
 

@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 from mpitest import COMM, agree
 
-from tplab.lab.exercises import (check_allreduce, check_column_parallel, check_reduce_scatter, check_row_parallel,
-                                 format_report, passed)
-from tplab.lab.exercises import solutions
+from tplab.lab.exercises import (
+    check_allreduce,
+    check_column_parallel,
+    check_reduce_scatter,
+    check_row_parallel,
+    format_report,
+    passed,
+    solutions,
+)
 from tplab.toolkit.blocks import block_bounds
 
 P = COMM.size
@@ -64,8 +70,9 @@ def test_solutions_pass():
 
 
 def test_full_default_cases_pass():
-    report = check_allreduce(ring_allreduce, timeout=10, progress=False)
-    agree(passed(report), format_report(report))
+    reports = [check_allreduce(ring_allreduce, timeout=10, algorithm="ring", progress=False),
+               check_reduce_scatter(solutions.ring_reduce_scatter, timeout=10, progress=False)]
+    agree(all(passed(r) for r in reports), "\n".join(format_report(r) for r in reports))
 
 
 @pytest.mark.skipif(P < 2, reason="needs two ranks")

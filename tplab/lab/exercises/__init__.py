@@ -13,11 +13,22 @@ A checker of an exercise with communication is called on every rank (``cluster.r
 and returns the same report everywhere; the others run in the notebook itself. ``format_report`` prints one.
 """
 
-from tplab.lab.exercises.allreduce import check_allreduce, check_reduce_scatter, default_cases
+from tplab.lab.exercises.allreduce import (
+           check_allreduce,
+           check_reduce_scatter,
+           default_cases,
+)
 from tplab.lab.exercises.costs import check_busiest_bytes, check_ring_time
 from tplab.lab.exercises.megatron import check_column_parallel, check_row_parallel
 from tplab.lab.exercises.predict import check_prediction
-from tplab.lab.exercises.runner import Case, ExerciseComm, format_report, passed, run_cases, run_local
+from tplab.lab.exercises.runner import (
+           Case,
+           ExerciseComm,
+           format_report,
+           passed,
+           run_cases,
+           run_local,
+)
 from tplab.lab.exercises.tuning import check_crossover, check_decision
 
 __all__ = ["Case", "ExerciseComm", "check_allreduce", "check_busiest_bytes", "check_column_parallel",

@@ -94,7 +94,7 @@ def check_column_parallel(fn, comm=None, *, timeout: float = 5.0, progress=True)
         cases.append(Case(f"{name}, {h_in * p} -> {h_out * p}",
                           (x, weight[mine].clone(), bias[mine].clone(), grad[..., mine].clone()),
                           (y_full[..., mine], grad @ weight, None)))
-    run = lambda x, w, b, g, c: _run(fn, x, w, b, g, c)  # noqa: E731
+    run = lambda x, w, b, g, c: _run(fn, x, w, b, g, c)
     return run_cases(run, cases, _diagnose_column, comm=base, timeout=timeout, title="column-parallel: ",
                      progress=progress)
 
@@ -137,6 +137,6 @@ def check_row_parallel(fn, comm=None, *, timeout: float = 5.0, progress=True):
         cases.append(Case(f"{name}, {h_in * p} -> {h_out * p}",
                           (x[..., mine].clone(), weight[:, mine].clone(), bias.clone(), grad),
                           (y_full, (grad @ weight)[..., mine], bias)))
-    run = lambda x, w, b, g, c: _run(fn, x, w, b, g, c)  # noqa: E731
+    run = lambda x, w, b, g, c: _run(fn, x, w, b, g, c)
     return run_cases(run, cases, _diagnose_row, comm=base, timeout=timeout, title="row-parallel: ",
                      progress=progress)

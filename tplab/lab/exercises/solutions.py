@@ -22,7 +22,7 @@ def ring_allreduce(x, comm):
     right, left = (r + 1) % p, (r - 1) % p
     buf = x.copy()
     b = block_bounds(buf.size, p)
-    block = lambda i: buf[b[i % p]:b[i % p + 1]]  # noqa: E731
+    block = lambda i: buf[b[i % p]:b[i % p + 1]]
     incoming = np.empty_like(buf)
     for s in range(p - 1):  # reduce-scatter: after it, rank r holds the whole sum of block r
         send, recv = block(r - s - 1), block(r - s - 2)
@@ -39,7 +39,7 @@ def ring_reduce_scatter(x, comm):
     right, left = (r + 1) % p, (r - 1) % p
     buf = x.copy()
     b = block_bounds(buf.size, p)
-    block = lambda i: buf[b[i % p]:b[i % p + 1]]  # noqa: E731
+    block = lambda i: buf[b[i % p]:b[i % p + 1]]
     incoming = np.empty_like(buf)
     for s in range(p - 1):
         send, recv = block(r - s - 1), block(r - s - 2)

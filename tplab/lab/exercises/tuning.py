@@ -20,7 +20,10 @@ from tplab.lab.exercises.runner import Case, run_local
 CANDIDATES_EXCLUDED = ("builtin", "auto")
 
 
-def _sweep(p=4, machine=Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 20e9), sizes=None, noise=0.0, seed=0,
+EXAMPLE = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 20e9)
+
+
+def _sweep(p=4, machine=EXAMPLE, sizes=None, noise=0.0, seed=0,
            algorithms=("naive", "ring", "recursive_doubling", "rabenseifner", "builtin")):
     """A made-up sweep: the model's times, with multiplicative noise; builtin 20% faster than the best."""
     rng = np.random.default_rng(seed)
