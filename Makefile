@@ -3,6 +3,9 @@
 #   make test   set up .venv, check the import layers (lint-imports), run the whole test suite (unit, MPI at
 #               several rank counts, notebooks)
 #   make lab    JupyterLab on 127.0.0.1 with a token
+#   make browser-test  notebooks 00 and 01 run in a real browser: JupyterLab driven by the system's Chromium
+#               through Playwright (Run All, no errors, figures and the exercise report shown); screenshots
+#               in build/browser/. Needs chromium (Debian: apt-get install chromium), not `playwright install`
 #
 # Variables:
 #   N=4                    MPI engines for make demo
@@ -12,6 +15,7 @@
 #   TORCH_INDEX=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu for the small
 #                          CPU build on a laptop (PyPI's default Linux wheel is the CUDA one, GBs)
 #   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
+#   CHROMIUM=PATH          the browser for make browser-test (default: chromium on PATH)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,13 +27,14 @@ PYTEST_ARGS ?=
 
 BIN   := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.tplab-installed
+BROWSER_STAMP := $(VENV)/.tplab-browser-installed
 comma := ,
 
 # mpiexec, ipcluster and jupyter come from the venv; one thread per rank (ranks share few cores)
 export PATH := $(BIN):$(PATH)
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo lab clean
+.PHONY: setup test demo lab browser-test clean
 
 setup: $(STAMP)
 
@@ -49,6 +54,13 @@ demo: setup
 
 lab: setup
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
+$(BROWSER_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[browser]"
+	touch $@
+
+browser-test: $(BROWSER_STAMP)
+	$(BIN)/python scripts/browser_check.py --out build/browser $(if $(CHROMIUM),--chromium $(CHROMIUM))
 
 clean:
 	rm -rf build .pytest_cache .hypothesis
