@@ -1,5 +1,6 @@
 # tplab — two commands do everything on a fresh machine with Python >= 3.10 and pip:
-#   make demo   set up .venv, start an MPI cluster of N engines, execute the notebooks into build/, stop it
+#   make demo   set up .venv, start an MPI cluster of N engines, execute the notebooks into build/ (.ipynb,
+#               .html, and build/index.html linking them: a reading copy), stop it
 #   make test   set up .venv, check the import layers (lint-imports), run the whole test suite (unit, MPI at
 #               several rank counts, notebooks)
 #   make lab    JupyterLab on 127.0.0.1 with a token
