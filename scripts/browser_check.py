@@ -164,8 +164,9 @@ def browser_env(state: Path, run_id) -> dict:
     bin_dir = os.path.dirname(sys.executable)  # mpiexec and ipcluster, beside this Python
     return dict(
         os.environ, IPYTHONDIR=str(state / "ipython"), JUPYTER_CONFIG_DIR=str(state / "jupyter-config"),
-        JUPYTER_RUNTIME_DIR=str(state / "jupyter-runtime"), JUPYTERLAB_SETTINGS_DIR=str(state / "lab-settings"),
-        JUPYTERLAB_WORKSPACES_DIR=str(state / "lab-workspaces"), OMP_NUM_THREADS="1",
+        JUPYTER_DATA_DIR=str(state / "jupyter-data"), JUPYTER_RUNTIME_DIR=str(state / "jupyter-runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(state / "lab-settings"), JUPYTERLAB_WORKSPACES_DIR=str(state / "lab-workspaces"),
+        OMP_NUM_THREADS="1",
         PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
         PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
         **{MARKER: run_id})
@@ -226,8 +227,11 @@ def drive(notebooks, lab: Path, out: Path, chromium, base, token, timeout) -> li
                     if not (out / f"{key(notebook.name)}_error.png").exists():
                         page.screenshot(path=str(out / f"{key(notebook.name)}_failed.png"))
                 finally:
-                    for session in api(base, token, "sessions"):  # shut its kernel down before the next
-                        api(base, token, f"sessions/{session['id']}", method="DELETE")
+                    try:  # shut its kernel down before the next
+                        for session in api(base, token, "sessions"):
+                            api(base, token, f"sessions/{session['id']}", method="DELETE")
+                    except OSError as e:  # JupyterLab itself is gone: stop() cleans up
+                        log(f"could not shut the kernels down: {e}")
         finally:
             browser.close()
     return failures
