@@ -1,9 +1,13 @@
 # tplab — on a fresh machine with Python >= 3.10 (with venv and pip) and make:
 #   make setup  create .venv and install tplab with everything it needs (the other targets do it first if needed)
 #   make lab    JupyterLab on 127.0.0.1 with a token; open notebooks/00_cluster.ipynb first
-#   make demo   start an MPI cluster of N engines, execute the notebooks into build/, stop it
+#   make demo   start an MPI cluster of N engines, execute the notebooks into build/ (.ipynb, .html, and
+#               build/index.html linking them: a reading copy), stop it
 #   make test   check the import layers (lint-imports), run the whole test suite (unit, MPI at several rank
 #               counts, notebooks)
+#   make browser-test  notebooks 00 and 01 run in a real browser: JupyterLab driven by the system's Chromium
+#               through Playwright (Run All, no errors, figures and the exercise report shown); screenshots
+#               in build/browser/. Needs chromium (Debian: apt-get install chromium), not `playwright install`
 #
 # On a laptop, create .venv with the small CPU build of torch, whichever target runs first:
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu      (then make lab / demo / test)
@@ -17,6 +21,7 @@
 #   TORCH_INDEX=URL        where torch comes from: https://download.pytorch.org/whl/cpu for the small CPU build
 #                          (a few hundred MB), the laptop choice for every target (setup, lab, demo, test)
 #   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
+#   CHROMIUM=PATH          the browser for make browser-test (default: chromium on PATH)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -28,13 +33,14 @@ PYTEST_ARGS ?=
 
 BIN   := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.tplab-installed
+BROWSER_STAMP := $(VENV)/.tplab-browser-installed
 comma := ,
 
 # mpiexec, ipcluster and jupyter come from the venv; one thread per rank (ranks share few cores)
 export PATH := $(BIN):$(PATH)
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo lab clean
+.PHONY: setup test demo lab browser-test clean
 
 setup: $(STAMP)
 
@@ -54,6 +60,13 @@ demo: setup
 
 lab: setup
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
+$(BROWSER_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[browser]"
+	touch $@
+
+browser-test: $(BROWSER_STAMP)
+	$(BIN)/python scripts/browser_check.py --out build/browser $(if $(CHROMIUM),--chromium $(CHROMIUM))
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

@@ -75,6 +75,9 @@ def test_run_demo_end_to_end(tmp_path, ipython_dir, capsys):
     assert "fixture_allreduce.csv" in printed and "expected" in printed  # the CSV, printed
     assert f"figures (1): {out / 'figures'}/" in printed
     assert "1 of 2 notebooks ran; FAILED: fails.ipynb" in printed
+    index = (out / "index.html").read_text()  # the reading copy's contents: both, the failure marked
+    assert 'href="allreduce.html"' in index and "FAILED: ValueError: this notebook fails on purpose" in index
+    assert f"reading copy: {out / 'index.html'}" in printed
     assert cluster_processes_under(ipython_dir) == []  # the demo's cluster is gone
 
 

@@ -9,7 +9,7 @@ from mpitest import COMM, abort_on_exception, agree, rearm_watchdog, same_on_eve
 torch = pytest.importorskip("torch")
 # torch.optim's first optimizer imports torch._dynamo (seconds per rank on a shared 2-core machine): do it
 # here, at collection, rather than inside a test's deadlock watchdog
-import torch._dynamo  # noqa: E402, F401
+import torch._dynamo  # noqa: E402, F401, F811
 
 from tplab.comm import world  # noqa: E402
 from tplab.lab.data import CharData  # noqa: E402

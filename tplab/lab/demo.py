@@ -5,6 +5,9 @@
     from tplab.lab.demo import run_demo
     run_demo(ranks=4, out="build")       # start 4 engines, run notebooks/*.ipynb into build/, stop, summarise
 
+and leaves a reading copy: each executed notebook as .ipynb and .html, and ``build/index.html`` linking
+them, one line each with its first heading and the start of its introduction (``write_index``).
+
 Each notebook has a cell tagged ``parameters`` (``n_ranks``, ``cluster_id``, ``output_dir``) that papermill
 overrides, and connects with ``tplab.cluster.connect_or_start(n=n_ranks, cluster_id=cluster_id)``: the
 cluster started here is shared by all notebooks, so its start-up (seconds) is paid once.
@@ -12,6 +15,8 @@ cluster started here is shared by all notebooks, so its start-up (seconds) is pa
 
 from __future__ import annotations
 
+import html
+import re
 import time
 from pathlib import Path
 
@@ -95,7 +100,113 @@ def run_demo(ranks=4, out="build", notebooks=None, timeout=900) -> int:
     finally:
         cluster.stop()
     _print_summary(results, out)
+    index = write_index(out, results, note=f"Executed by tplab demo on {ranks} MPI ranks, "
+                                           f"{time.strftime('%Y-%m-%d %H:%M')}. Each page shows a notebook's "
+                                           "code, outputs and figures; make lab opens them to run yourself.")
+    print(f"reading copy: {index}")
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def write_index(out_dir, results=None, *, title="tplab — the workbook, executed", note="") -> Path:
+    """Write ``out_dir/index.html``: one line per executed notebook (its first heading, linked to its HTML
+    copy, and the start of its first markdown cell), a link to ``figures/`` if it holds any, so a reader
+    can look before running anything. ``results`` are execute_notebooks' (a failed notebook is marked);
+    without them, every ``*.ipynb`` in ``out_dir``. Returns the path.
+
+        write_index("build")        # after execute_notebooks(..., "build")
+    """
+    import nbformat
+
+    out_dir = Path(out_dir)
+    if results is None:
+        results = [{"name": p.name, "ok": None, "error": None, "seconds": None, "paths": {"ipynb": str(p)}}
+                   for p in sorted(out_dir.glob("*.ipynb"))]
+    rows = []
+    for r in results:
+        executed = Path(r["paths"].get("ipynb", out_dir / r["name"]))
+        heading, description = Path(r["name"]).stem, ""
+        try:
+            heading, description = _describe(nbformat.read(executed, as_version=4), heading)
+        except (OSError, ValueError, AttributeError):  # not written, or not a notebook: the name only
+            pass
+        html_copy = Path(r["paths"].get("html", executed.with_suffix(".html")))
+        link = html_copy.name if html_copy.is_file() and html_copy.parent.resolve() == out_dir.resolve() else None
+        title_html = (f'<a href="{html.escape(link)}">{html.escape(heading)}</a>' if link
+                      else html.escape(heading))
+        status = ""
+        if r.get("ok") is False:
+            status = f' <span class="failed">FAILED: {html.escape(r.get("error") or "")}</span>'
+        elif r.get("seconds") is not None:
+            status = f' <span class="time">({r["seconds"]:.0f} s)</span>'
+        notebook_link = (f'<a href="{html.escape(executed.name)}">{html.escape(executed.name)}</a>'
+                         if executed.is_file() and executed.parent.resolve() == out_dir.resolve()
+                         else html.escape(r["name"]))
+        files = f'<span class="files">{notebook_link}</span>'
+        rows.append(f"<li>{title_html}{status}<br>" + " ".join(filter(None, [html.escape(description), files]))
+                    + "</li>")
+    figures = sorted((out_dir / "figures").glob("*.png"))
+    page = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+            f"<title>{html.escape(title)}</title>", _INDEX_STYLE, "</head>", "<body>",
+            f"<h1>{html.escape(title)}</h1>"]
+    if note:
+        page.append(f"<p>{html.escape(note)}</p>")
+    page += ["<ul>", *rows, "</ul>"] if rows else ["<p>No executed notebooks here.</p>"]
+    if figures:
+        count = f"{len(figures)} figure" + ("s" if len(figures) != 1 else "")
+        page.append(f'<p><a href="figures/">figures/</a>: the {count} the notebooks saved (PNG)</p>')
+    page += ["</body>", "</html>", ""]
+    index = out_dir / "index.html"
+    index.write_text("\n".join(page), encoding="utf-8")
+    return index
+
+
+_INDEX_STYLE = ("<style>body{font-family:sans-serif;max-width:52em;margin:2em auto;padding:0 1em;line-height:1.45}"
+                "ul{list-style:none;padding-left:0}li{margin-bottom:.9em}"
+                ".files,.time{color:#777;font-size:.85em}.failed{color:#b00}</style>")
+
+
+def _describe(notebook, fallback: str) -> tuple[str, str]:
+    """(first heading, first paragraph after it as plain text, a sentence or two) of the first markdown
+    cell; the heading is ``fallback`` when that cell has none."""
+    cell = next((c for c in notebook.cells if c.cell_type == "markdown" and c.source.strip()), None)
+    if cell is None:
+        return fallback, ""
+    heading, paragraphs, current = None, [], []
+    for line in cell.source.splitlines():
+        match = re.match(r"\s{0,3}#{1,6}\s+(.*)", line)
+        if match and heading is None and not paragraphs and not current:
+            heading = _plain(match.group(1))
+        elif line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    text = next((_plain(p) for p in paragraphs if not p.startswith(("```", "|", "<", "#"))), "")
+    return heading or fallback, _shorten(text)
+
+
+def _plain(markdown: str) -> str:
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", markdown)  # links and images: their text
+    text = re.sub(r"<[^>]+>", "", text)                          # HTML tags (<sup>, <br>)
+    text = re.sub(r"(\*\*|__|\*|`)", "", text)                   # emphasis and code marks
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _shorten(text: str, limit=240) -> str:
+    """Whole sentences up to ``limit`` characters; when that leaves fewer than ``limit // 3``, the next
+    sentence too, cut at a word (so is a first sentence longer than ``limit``)."""
+    kept = ""
+    for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z(])", text):
+        if len(kept) >= limit // 3 and len(kept) + 1 + len(sentence) > limit:
+            break
+        kept = f"{kept} {sentence}".strip()
+    if len(kept) > limit:
+        kept = kept[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+    elif kept.endswith(":"):  # a paragraph that introduces a table or a list
+        kept = kept[:-1] + " …"
+    return kept
 
 
 def _print_summary(results, out: Path):
