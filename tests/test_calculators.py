@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tplab.cost import critical_path  # noqa: E402
-from tplab.lab.calculators import LINKS, collective_time, layer_ratio, memory_per_rank, show  # noqa: E402
+from tplab.lab.calculators import LINKS, collective_time, layer_ratio, llama_memory_gib, memory_per_rank, show  # noqa: E402
 from tplab.models.gpt import GPTConfig  # noqa: E402
 
 
@@ -33,3 +33,9 @@ def test_layer_ratio_and_the_static_table():
     table = show(layer_ratio, hidden=(4096, (1024, 16384, 1024)), seq=(2048, (128, 32768, 128)), batch=(1, (1, 64, 1)),
                  tp=(8, [1, 2, 4, 8]))
     assert list(table["tp"]) == [8] and table["ratio"].iloc[0] == pytest.approx(layer_ratio(4096, 2048, 1, 8)["ratio"])
+
+
+def test_a_llama_in_gib():
+    eight, one = llama_memory_gib(tp=8), llama_memory_gib(tp=1)
+    assert 12 < llama_memory_gib(kv_heads=32, tp=1)["parameters_GiB"] < 13  # Llama-2 7B's shape in bf16: 12.6 GiB
+    assert eight["kv_cache_GiB"] == one["kv_cache_GiB"] / 8

@@ -2,6 +2,7 @@
 
     memory_per_rank(config, batch, seq, tp, sequence_parallel)   parameters, activations kept for the backward
                                                                  pass, KV cache: bytes per rank
+    llama_memory_gib(hidden, layers, heads, ..., tp)             the same for a Llama-shaped model, in GiB
     collective_time(algorithm, p, nbytes, link)                   α-β-γ seconds of one all-reduce (tplab.cost)
     layer_ratio(hidden, seq, batch, tp, link, peak_flops, ...)    a TP layer's communication / computation
     show(calculator, **sliders)                                   a table for the default values and, in
@@ -42,6 +43,18 @@ def memory_per_rank(config: GPTConfig, batch: int, seq: int, tp: int, sequence_p
     return {"tp": tp, "sequence_parallel": sequence_parallel, "parameters_bytes": parameters,
             "activations_bytes": activations, "kv_cache_bytes": kv_cache,
             "total_bytes": parameters + activations + kv_cache}
+
+
+def llama_memory_gib(hidden: int = 4096, layers: int = 32, heads: int = 32, kv_heads: int = 8, seq: int = 4096,
+                     batch: int = 8, tp: int = 8, sequence_parallel: bool = False) -> dict:
+    """memory_per_rank of a Llama-shaped model (bf16, SwiGLU, RMSNorm, RoPE, 32000 tokens), in GiB."""
+    import torch
+
+    config = GPTConfig(vocab_size=32000, block_size=seq, n_layer=layers, n_head=heads, n_kv_head=kv_heads,
+                       n_embd=hidden, ffn_size=-(-8 * hidden // 3 // 256) * 256, mlp="swiglu", norm="rmsnorm",
+                       position="rope", bias=False, dtype=torch.bfloat16)
+    bytes_ = memory_per_rank(config, batch, seq, tp, sequence_parallel)
+    return {k.replace("_bytes", "_GiB"): (round(v / 2**30, 3) if k.endswith("_bytes") else v) for k, v in bytes_.items()}
 
 
 def collective_time(algorithm: str, p: int, nbytes: float, link: str | Machine = "NVLink (H100, NCCL)",
