@@ -16,9 +16,24 @@ from tplab.comm.null import NullComm  # noqa: E402
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 
 P, RANK = COMM.size, COMM.rank
-GLOO = TorchDistributedComm(torch.device("cpu"))
-WIRES = {"mpi": world(), "emulated network": EmulatedNetwork(world(), ranks_per_node=max(1, P // 2)),
-         "torch.distributed (gloo)": GLOO}
+WIRES = {"mpi": lambda: world(), "emulated network": lambda: EmulatedNetwork(world(), ranks_per_node=max(1, P // 2)),
+         "torch.distributed (gloo)": lambda: gloo()}
+_gloo = []
+
+
+def gloo():
+    """torch.distributed on gloo, made at the first test that needs it (not at collection) and ended after
+    this module (its threads and sockets would otherwise stay for the rest of the MPI suite)."""
+    if not _gloo:
+        _gloo.append(TorchDistributedComm(torch.device("cpu")))
+    return _gloo[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def end_gloo():
+    yield
+    if _gloo:
+        _gloo.pop().close()
 
 
 def mine(n=10, dtype=torch.float64):
@@ -30,13 +45,13 @@ def total(n=10, dtype=torch.float64):
 
 
 def test_every_transport_is_a_communicator():
-    agree(all(isinstance(c, Communicator) for c in [*WIRES.values(), NullComm()]))
+    agree(all(isinstance(make(), Communicator) for make in WIRES.values()) and isinstance(NullComm(), Communicator))
 
 
 @pytest.mark.parametrize("wire", list(WIRES))
 @pytest.mark.parametrize("algorithm", ["auto", "ring"])
 def test_the_same_calls_give_the_same_answers_on_every_wire(wire, algorithm):
-    comm = WIRES[wire]
+    comm = WIRES[wire]()
     n = 4 * P
     got = [tplab.allreduce(mine(n), comm, algorithm=algorithm),
            tplab.reduce_scatter(mine(n), comm, algorithm=algorithm),
@@ -47,6 +62,7 @@ def test_the_same_calls_give_the_same_answers_on_every_wire(wire, algorithm):
 
 
 def test_a_transport_of_whole_collectives_runs_its_own_for_any_name():
+    GLOO = gloo()
     agree(not GLOO.point_to_point and GLOO.prefers_builtin)
     for algorithm in ("naive", "recursive_doubling", "builtin"):  # no send/recv on it: its own all-reduce
         agree(torch.equal(tplab.allreduce(mine(), GLOO, algorithm=algorithm), total()), algorithm)
@@ -56,6 +72,7 @@ def test_a_transport_of_whole_collectives_runs_its_own_for_any_name():
 
 def test_numpy_arrays_through_torch_distributed_agree_first():
     """The general path (numpy in) agrees on the host first: ranks that disagree raise, none hangs."""
+    GLOO = gloo()
     x = np.ones(5 + (RANK == 0 and P > 1), dtype=np.float32)
     if P > 1:
         with pytest.raises(tplab.CollectiveArgumentError, match="disagree"):
@@ -66,6 +83,7 @@ def test_numpy_arrays_through_torch_distributed_agree_first():
 def test_what_a_transport_lacks_is_refused_alike_and_auto_falls_back():
     """torch.distributed scatters equal blocks only: an uneven reduce-scatter is refused on every rank
     (explicit "builtin"); MPI's auto takes its own or a hand-written algorithm either way."""
+    GLOO = gloo()
     x = mine(P + 1)
     if P > 1:  # (one rank: one block, always equal)
         with pytest.raises(tplab.CollectiveArgumentError, match="equal blocks"):
@@ -85,5 +103,5 @@ def test_the_null_communicator_moves_nothing_and_logs_what_it_would_send():
 
 @pytest.mark.parametrize("wire", list(WIRES))
 def test_with_timeout_gives_a_working_duplicate(wire):
-    twin = WIRES[wire].with_timeout(30.0)
+    twin = WIRES[wire]().with_timeout(30.0)
     agree(torch.equal(tplab.allreduce(mine(), twin, algorithm="auto"), total()), wire)

@@ -309,11 +309,23 @@ def run_cases(fn, cases, diagnose, *, comm=None, timeout=5.0, bitwise=False, tit
             report.append({"case": case.name, **case.columns, "ok": ok, "problem": summary, "seconds": seconds})
             if progress and base.rank == 0:
                 _progress(i + 1, len(cases), title, case, ok, summary, seconds)
-            if not ok and stop_at_first_failure:
+            if not ok and (stop_at_first_failure or _not_written(verdicts)):
+                _skip_the_rest(report, cases[i + 1:], summary if _not_written(verdicts) else None)
                 break
     finally:
         channel.free()
     return report
+
+
+def _not_written(verdicts) -> bool:
+    """Every rank raised NotImplementedError: a skeleton, no use running the other cases."""
+    return all(kind == "raised" and str(problem).startswith("not written yet") for kind, problem, *_ in verdicts)
+
+
+def _skip_the_rest(report, rest, problem):
+    if problem is not None:  # (a skeleton: the other cases fail the same way)
+        report += [{"case": case.name, **case.columns, "ok": False, "problem": problem, "seconds": 0.0}
+                   for case in rest]
 
 
 def run_local(fn, cases, diagnose, *, title="", progress=True) -> list[dict]:
@@ -330,6 +342,9 @@ def run_local(fn, cases, diagnose, *, title="", progress=True) -> list[dict]:
                        "seconds": seconds})
         if progress:
             _progress(i + 1, len(cases), title, case, problem is None, problem or "", seconds)
+        if problem and problem.startswith("not written yet"):
+            _skip_the_rest(report, cases[i + 1:], problem)
+            break
     return report
 
 
@@ -339,6 +354,10 @@ def format_report(report, details: bool = True) -> str:
     lines = [f"{passed} of {len(report)} cases correct" + (" -- well done!" if report and passed == len(report) else "")]
     if not details:
         return lines[0]
+    wrong = {r["problem"] for r in report if not r["ok"]}
+    if len(report) > 1 and passed == 0 and len(wrong) == 1:  # one mistake everywhere (a skeleton, say): say it once
+        lines.append(textwrap.fill(f"  every case: {wrong.pop()}", width=120, subsequent_indent="    "))
+        return "\n".join(lines)
     width = max([len(r["case"]) for r in report] + [4])
     for r in report:
         mark = "ok   " if r["ok"] else "WRONG"
