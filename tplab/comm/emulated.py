@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 from tplab.comm.base import Communicator, checked_ranks_per_node
+from tplab.comm.wrapped import Wrapped
 
 SPIN_SECONDS = 100e-6  # time.sleep may overshoot by tens of microseconds: spin through the last stretch
 
@@ -70,14 +71,12 @@ def wait_precisely(seconds: float) -> None:
         pass
 
 
-class EmulatedNetwork(Communicator):
+class EmulatedNetwork(Wrapped):
     def __init__(self, inner: Communicator, ranks_per_node: int, latency: float = 5e-6,
                  bandwidth: float = 25e9, intra_latency: float = 0.0, intra_bandwidth: float = float("inf")):
-        super().__init__()
+        super().__init__(inner)
         if checked_ranks_per_node(ranks_per_node) is None:
             raise ValueError("EmulatedNetwork needs ranks_per_node: how many consecutive ranks form a node")
-        self.inner = inner
-        self.rank, self.size = inner.rank, inner.size
         self.ranks_per_node = ranks_per_node
         self.network = Link(latency, bandwidth)
         self.within_node = Link(intra_latency, intra_bandwidth)
@@ -107,9 +106,6 @@ class EmulatedNetwork(Communicator):
         wait_precisely(self.message_seconds(buf.nbytes, dest))
         self.inner._send(buf, dest, tag)
 
-    def _recv(self, buf, source, tag):
-        self.inner._recv(buf, source, tag)
-
     def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         # my outgoing message only: the partner waits for its own at the same time (full duplex)
         wait_precisely(self.message_seconds(sendbuf.nbytes, dest))
@@ -119,26 +115,7 @@ class EmulatedNetwork(Communicator):
         wait_precisely(self.message_seconds(buf.nbytes, dest))  # charged now: no overlap in this model
         return self.inner._isend(buf, dest, tag)
 
-    def _irecv(self, buf, source, tag):
-        return self.inner._irecv(buf, source, tag)
-
-    def _wait(self, handle, what):
-        self.inner._wait(handle, what)
-
-    def _test(self, handle):
-        return self.inner._test(handle)
-
-    def barrier(self):
-        self.inner.barrier()
-
-    def allgather_object(self, obj) -> list:
-        return self.inner.allgather_object(obj)
-
     # ---- sub-communicators: same model, same emulated node for every rank ------------------------------
-    @property
-    def timeout(self):
-        return self.inner.timeout
-
     def _same_network_over(self, inner: Communicator) -> "EmulatedNetwork":
         # one rank per node for a moment: the caller gives it the real layout with _inherit_nodes
         return EmulatedNetwork(inner, 1, self.network.latency, self.network.bandwidth,

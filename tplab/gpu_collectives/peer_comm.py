@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tplab.comm.base import Communicator
+from tplab.comm.nccl import nccl_world
+from tplab.comm.wrapped import Wrapped
 from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
 from tplab.gpu_collectives.peer_memory import THREADS, PeerMemory
 from tplab.gpu_collectives.signature import signature
@@ -33,51 +34,17 @@ from tplab.toolkit.arrays import is_gpu_array, is_torch, torch_stream_pointer
 KERNELS = ("auto", "one_shot", "two_shot", "ring")
 
 
-class PeerMemoryComm(Communicator):
+class PeerMemoryComm(Wrapped):
     moves_gpu_memory = True
     takes_host_memory = False
     prefers_builtin = True
 
     def __init__(self, inner=None, max_bytes: int = 64 << 20, *, blocks: int | None = None, timeout: float = 30.0):
-        from tplab.comm import nccl_world
-
-        super().__init__()
-        self.inner = nccl_world() if inner is None else inner
-        self.rank, self.size, self.device = self.inner.rank, self.inner.size, self.inner.device
+        super().__init__(nccl_world() if inner is None else inner)  # point-to-point, metadata: NCCL's
+        self.device = self.inner.device
         self.ranks_per_node = self.inner.ranks_per_node
         self.peers = PeerMemory(self.inner.mpi, max_bytes, blocks=blocks, timeout=timeout)
         self.kernel = "auto"  # the own all-reduce: "auto" (by size: peers.table, peers.tune()) or one of KERNELS
-
-    # ---- point-to-point and metadata: NCCL's --------------------------------------------------------------
-    def _send(self, buf, dest, tag):
-        self.inner._send(buf, dest, tag)
-
-    def _recv(self, buf, source, tag):
-        self.inner._recv(buf, source, tag)
-
-    def _sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        self.inner._sendrecv(sendbuf, dest, recvbuf, source, tag)
-
-    def _isend(self, buf, dest, tag):
-        return self.inner._isend(buf, dest, tag)
-
-    def _irecv(self, buf, source, tag):
-        return self.inner._irecv(buf, source, tag)
-
-    def _wait(self, handle, what):
-        self.inner._wait(handle, what)
-
-    def _test(self, handle):
-        return self.inner._test(handle)
-
-    def barrier(self):
-        self.inner.barrier()
-
-    def allgather_object(self, obj):
-        return self.inner.allgather_object(obj)
-
-    def _detect_node_ids(self):
-        return self.inner._detect_node_ids()
 
     def cannot_take(self, arr):
         return self.inner.cannot_take(arr) or (
