@@ -5,7 +5,7 @@
     plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
     plot_overlap_sweep(df)         a layer's time and hidden fraction against the chunk count (tplab.overlap)
     plot_overlap_summary(df)       per path: a layer without overlap vs overlapped at its best (gpu_overlap.py rows)
-    setup()                        readable figures at JupyterLab's width (the notebooks' first cell calls it)
+    setup(output_dir, prefix)      readable figures at JupyterLab's width, and save(fig, name) (each notebook's first cell)
     color_of(name)                 one colour per algorithm or path, the same in every figure
 """
 
@@ -35,12 +35,25 @@ def color_of(name) -> str:
     return COLORS.get(name) or _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
 
 
-def setup(dpi: int = 110, font_size: float = 9.0) -> None:
-    """Figures readable at JupyterLab's width: a size that needs no shrinking, legends and ticks >= 8 pt."""
+def setup(output_dir=None, prefix: str = "", dpi: int = 110, font_size: float = 9.0):
+    """The notebooks' first cell: figures readable at JupyterLab's width (a size that needs no shrinking,
+    legends and ticks >= 8 pt), and, given ``output_dir``, the ``save(fig, name)`` that writes
+    ``<output_dir>/figures/<prefix>_<name>.png`` (returned; None without an output_dir)."""
+    import os
+
     plt.rcParams.update({"figure.dpi": dpi, "figure.figsize": (7.0, 4.0), "font.size": font_size,
                          "axes.titlesize": font_size + 1, "axes.labelsize": font_size,
                          "legend.fontsize": max(8.0, font_size - 1), "xtick.labelsize": max(8.0, font_size - 1),
-                         "ytick.labelsize": max(8.0, font_size - 1), "figure.constrained_layout.use": True})
+                         "ytick.labelsize": max(8.0, font_size - 1)})
+    if output_dir is None:
+        return None
+    figures = os.path.join(os.path.abspath(output_dir), "figures")
+    os.makedirs(figures, exist_ok=True)
+
+    def save(fig, name: str) -> None:
+        fig.savefig(os.path.join(figures, f"{prefix}_{name}.png" if prefix else f"{name}.png"), dpi=dpi,
+                    bbox_inches="tight")
+    return save
 
 
 def _contributors(mask: int, p: int) -> str:
