@@ -44,6 +44,8 @@ from __future__ import annotations
 import abc
 from collections import Counter
 
+from tplab.toolkit.arrays import is_gpu_array
+
 
 class CommTimeoutError(RuntimeError):
     """A blocking operation did not complete in time: almost always a deadlock (a peer that never sends)."""
@@ -109,7 +111,7 @@ class Communicator(abc.ABC):
     def cannot_take(self, arr) -> str | None:
         """Why this transport can never take ``arr`` (a numpy or CuPy array), or None. Default: host memory
         only, or GPU memory only, as ``moves_gpu_memory`` says."""
-        gpu = type(arr).__module__.split(".")[0] == "cupy"
+        gpu = is_gpu_array(arr)
         if gpu and not self.moves_gpu_memory:
             return (f"{type(self).__name__} moves host memory; for GPU arrays use tplab.comm.nccl_world() or "
                     "tplab.comm.StagedComm")
