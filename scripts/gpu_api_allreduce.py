@@ -5,7 +5,8 @@ torch.distributed.all_reduce (NCCL) and tplab's persistent kernel handle, same r
 
 Eager, back to back: each path runs ``iters`` calls in a row on torch's current stream, timed by CUDA events
 around the loop (time per call = loop / iters), median of ``reps`` loops, the slowest rank's. Every size
-is checked first: each path's result equals NCCL's (integer-valued float32, so sums are exact). Writes
+is checked first: each path's result equals NCCL's (integer-valued float32, so sums are exact). "auto" picks
+its kernel by size from timings made first on these GPUs (PeerMemoryComm.tune). Writes
 OUT_DIR/gpu_api_allreduce_<p>x-<card>.csv in nccl-tests' columns plus ``path``; prints the table.
 """
 
@@ -65,6 +66,9 @@ def main():
     torch.cuda.set_device(cupy.cuda.Device().id)
     p, rank = WORLD.size, WORLD.rank
     comm = PeerMemoryComm(nccl, args.max_bytes)
+    comm.tune()  # "auto" picks the kernel measured fastest here, by size
+    if rank == 0:
+        print("kernels by size:", comm.peers.table, flush=True)
     TorchDistributedComm(torch.device("cuda", torch.cuda.current_device()))  # starts the process group
     card = torch.cuda.get_device_name()
     rows, size = [], args.min_bytes

@@ -148,9 +148,10 @@ def _input_kind(x):
     if kind is np.ndarray:
         return (kind,)
     if is_torch(x):
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             return (kind, "cpu")
-        return (kind, x.shape, x.dtype, x.device.index, x.is_contiguous(), torch_stream_pointer(x.device.index))
+        device = x.get_device()
+        return (kind, x.shape, x.dtype, device, x.is_contiguous(), torch_stream_pointer(device))
     if is_gpu_array(x):
         import cupy
 

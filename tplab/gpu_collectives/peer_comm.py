@@ -106,6 +106,12 @@ class PeerMemoryComm(Wrapped):
                        "algorithm": algorithm, "root": None, "problems": []}
         return AllreducePlan(self, x, nbytes, KERNEL_TYPES[dtype], signature(description))
 
+    def tune(self, sizes=None, iters: int = 20):
+        """Collective: time the kernels here (PeerMemory.tune) so that "auto" picks the fastest by size on
+        this machine; plans made before keep the kernel they chose, so they are dropped."""
+        self.plans.clear()
+        return self.peers.tune(sizes, iters)
+
     def close(self):
         """Collective: unmap and free the peer memory (the NCCL communicator stays)."""
         self.plans.clear()
@@ -133,20 +139,22 @@ class AllreducePlan:
         kernel, blocks, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
         self.launch = fast_launcher(kernel, blocks, THREADS, args) or _cupy_launcher(kernel, blocks, args)
         self.checked = False
+        if self.torch:  # (bound once: an import statement per call is measurable at these latencies)
+            import torch
+
+            self.empty_like = torch.empty_like
+        else:
+            self.empty_like, self.ascontiguousarray = cupy.empty_like, cupy.ascontiguousarray
 
     def __call__(self, x, comm=None):
         self.peers.raise_pending(self.stream)
         if self.torch:
-            import torch
-
             x = x if self.contiguous else x.contiguous()
-            out = torch.empty_like(x)
+            out = self.empty_like(x)
             source, target = x.data_ptr(), out.data_ptr()
         else:
-            import cupy
-
-            x = x if self.contiguous else cupy.ascontiguousarray(x)
-            out = cupy.empty_like(x)
+            x = x if self.contiguous else self.ascontiguousarray(x)
+            out = self.empty_like(x)
             source, target = x.data.ptr, out.data.ptr
         if self.staged or source % PACK or target % PACK:
             self._through_copies(source, target)

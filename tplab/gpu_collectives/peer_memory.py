@@ -52,7 +52,7 @@ THREADS = 512
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
 # NVLink (data/gpu_peer_allreduce_4x-h100.csv: one_shot to 1 MiB, two_shot to 16 MiB, the ring beyond);
 # PeerMemory.tune() measures it again on the machine at hand (at p = 2 one_shot wins up to 4 MiB).
-DEFAULT_TABLE = ((1 << 20, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+DEFAULT_TABLE = ((256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))  # 4x H100, measured
 
 
 class PeerMemory:
@@ -199,7 +199,7 @@ class PeerMemory:
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def choose(self, nbytes: int) -> str:
         """What "auto" runs for ``nbytes`` per rank: the fastest measured at the nearest size at or above
-        (``tune`` measures them here; until then, the switch point measured on 4x H200)."""
+        (``tune`` measures them here; until then, the switch points measured on 4x H100)."""
         for upper, algorithm in self.table:
             if nbytes <= upper:
                 return algorithm

@@ -125,12 +125,16 @@ def torch_stream(device):
 def torch_stream_pointer(device_index) -> int:
     """torch's current CUDA stream on a device, as the raw pointer (cheaper than building a Stream object:
     this is on every fast-path collective call)."""
-    import torch
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
 
-    try:
-        return torch._C._cuda_getCurrentRawStream(device_index)
-    except AttributeError:  # (a torch without the private accessor)
-        return torch.cuda.current_stream(device_index).cuda_stream
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)  # (a torch without the private accessor)
+    return _raw_stream(device_index)
+
+
+_raw_stream = None
 
 
 def current_stream(buf):
