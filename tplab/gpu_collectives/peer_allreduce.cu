@@ -135,12 +135,13 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
     if (threadIdx.x == 0) call = *(volatile unsigned int*)&ctl->calls + 1;
     if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
     __syncthreads();
-    if (after_writes && threadIdx.x == 0) {
+    const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
+    if (count_writes && threadIdx.x == 0) {
         __threadfence();
         atomicAdd(&ctl->written, 1u);
     }
     if (blockIdx.x == 0) {
-        if (after_writes && threadIdx.x == 0) {
+        if (count_writes && threadIdx.x == 0) {
             while (load_acquire_gpu(&ctl->written) < gridDim.x) { }
             ctl->written = 0;                            // (the next kernel on this stream starts after this one)
         }
@@ -200,7 +201,9 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
 // finish counts the call (so the next kernel's blocks all read the same call number).
 __device__ void finish(Control* ctl) {
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && gridDim.x == 1) {               // (the next kernel on the stream sees it)
+        ctl->calls += 1;
+    } else if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
             ctl->finished = 0;
