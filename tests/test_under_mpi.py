@@ -1,8 +1,9 @@
 """Run the tests in tests/mpi/ on real MPI ranks: ``mpiexec -n K python -m pytest tests/mpi`` per K.
 
 Rank counts 1..8 cover powers of two and the folded non-powers (3, 5, 6, 7); ranks oversubscribe the
-cores, which is slow but exercises every code path. Each launch has a hard time limit on top of the
-per-test watchdog in tests/mpi/conftest.py, so nothing here can hang CI.
+cores, which is slow but exercises every code path (the collectives at every count, the layers and
+experiments at 1-4 and 8: modules()). Each launch has a hard time limit on top of the per-test watchdog in
+tests/mpi/conftest.py, so nothing here can hang CI.
 """
 
 import os
@@ -16,6 +17,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # many hypothesis examples where it is cheap, fewer when 6-8 ranks share two cores
 EXAMPLES = {1: 60, 2: 60, 3: 60, 4: 60, 5: 40, 6: 15, 7: 15, 8: 15}
+# The collectives and the wire run at every count. The layers, models and experiments -- exact at any p, and
+# slow where 5-7 ranks share two cores -- run at 1-4 (3: a non-power of two) and 8.
+EVERY_COUNT = ("test_collectives", "test_comm", "test_contract", "test_emulated", "test_errors",
+               "test_hierarchical", "test_traffic", "test_alltoall", "test_moe")
+WHOLE_SUITE = {1, 2, 3, 4, 8}
+
+
+def modules(ranks: int) -> list[str]:
+    if ranks in WHOLE_SUITE:
+        return ["tests/mpi"]
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests" / "mpi").glob("test_*.py"))
+            if p.stem.startswith(EVERY_COUNT)]
 
 
 def mpiexec() -> str:
@@ -30,7 +43,7 @@ def mpiexec() -> str:
 def test_mpi_suite(ranks, record_property):
     env = dict(os.environ, TPLAB_UNDER_MPIEXEC="1", OMP_NUM_THREADS="1",
                TPLAB_HYPOTHESIS_EXAMPLES=str(EXAMPLES[ranks]), PYTHONFAULTHANDLER="1")
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", "tests/mpi", "-q", "-s",
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", *modules(ranks), "-q", "-s",
            "-p", "no:cacheprovider", "-p", "no:nbmake", "-x"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
