@@ -351,9 +351,10 @@ class PeerMemory:
     def allgather_object(self, obj) -> list:
         return self.mpi.allgather(obj)
 
-    def tune(self, sizes=None, iters: int = 20, dtype="float32"):
-        """Time every algorithm at ``sizes`` (bytes per rank) here, CUDA events around each call, the
-        slowest rank's median; "auto" then picks the fastest by size. Returns the timings (a DataFrame)."""
+    def tune(self, sizes=None, iters: int = 20, reps: int = 5, dtype="float32"):
+        """Time the kernels that take any input (one_shot, two_shot, ring) at ``sizes`` (bytes per rank)
+        here: ``iters`` persistent launches back to back between CUDA events, the median of ``reps`` such
+        loops, the slowest rank's. "auto" then picks the fastest by size. Returns the timings (a DataFrame)."""
         import cupy
         import pandas as pd
 
@@ -361,19 +362,24 @@ class PeerMemory:
         rows = []
         for nbytes in sizes:
             x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
-            for algorithm in ALGORITHMS:
+            out = cupy.empty_like(x)
+            for algorithm in ("one_shot", "two_shot", "ring"):
                 if algorithm == "one_shot" and nbytes > self.small:
                     continue
+                run = self.allreduce_init(x, out, algorithm)
+                for _ in range(3):
+                    run()
                 times = []
-                for _ in range(iters + 3):
+                for _ in range(reps):
                     start, end = cupy.cuda.Event(), cupy.cuda.Event()
                     start.record()
-                    self.allreduce(x, algorithm, check=False)
+                    for _ in range(iters):
+                        run()
                     end.record()
                     end.synchronize()
-                    times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-                median = float(np.median(times[3:]))
-                rows.append({"size": nbytes, "algorithm": algorithm, "time_us": max(self.mpi.allgather(median))})
+                    times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / iters)
+                rows.append({"size": nbytes, "algorithm": algorithm,
+                             "time_us": max(self.mpi.allgather(float(np.median(times))))})
         table = pd.DataFrame(rows)
         best = table.loc[table.groupby("size")["time_us"].idxmin()].sort_values("size")
         self.table = list(zip(best["size"], best["algorithm"]))
