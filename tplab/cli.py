@@ -138,7 +138,8 @@ def main(argv=None) -> int:
     p.add_argument("-e", "--maxbytes", type=parse_size, default=1 << 20, help="largest size per rank")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="multiply the size by this each step")
     p.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20, help="add this when -f is 1")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per point (median)")
+    p.add_argument("-n", "--iters", type=int, default=None,
+                   help="timed iterations per point (median; default 20, or OSU's counts with --osu)")
     p.add_argument("-w", "--warmup-iters", type=int, default=3, help="untimed iterations first")
     p.add_argument("-d", "--datatype", default="float32")
     p.add_argument("-o", "--op", default="sum")

@@ -112,9 +112,10 @@ def _timed_on_gpu(fn, comm, iters) -> np.ndarray:
     return np.array([cupy.cuda.get_elapsed_time(start, end) / 1e3 for start, end in events])
 
 
-def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=20, warmup=3,
+def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=None, warmup=3,
                     comm=None, osu=False, validate=True, device="cpu") -> dict:
-    """Measure one point; returns one row (the same on every rank). ``comm`` defaults to the communicator
+    """Measure one point; returns one row (the same on every rank). ``iters``: timed calls (default 20; with
+    ``osu``, OSU's counts unless given). ``comm`` defaults to the communicator
     for ``device`` (tplab.comm.communicator: the world on "cpu", NCCL on the bound GPU for "gpu")."""
     comm = comm or communicator(device)
     gpu = comm.moves_gpu_memory
@@ -124,8 +125,9 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
     x = (rng.integers(-8, 9, size=count) if dt.kind in "iu" else rng.uniform(-1, 1, size=count)).astype(dt)
     x = to_device(x, "gpu") if gpu else x
     wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
-    if osu:
+    if osu and iters is None:
         iters, warmup = osu_iterations(size)
+    iters = 20 if iters is None else iters
     for _ in range(warmup):
         _call(collective, x, comm, algorithm, op)
     if gpu:
@@ -190,7 +192,7 @@ def _append(path, row) -> None:
         writer.writerow(row)
 
 
-def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=20, warmup=3, comm=None,
+def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=None, warmup=3, comm=None,
           osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu") -> list:
     """``time_collective`` for every size and algorithm; the rows, identical on every rank.
 
