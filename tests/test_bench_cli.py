@@ -68,3 +68,17 @@ def test_osu_mode_and_other_collectives(tmp_path):
 def test_unknown_algorithm_is_a_clear_error():
     proc = bench("allreduce", "-a", "bogus", "-e", "8")
     assert proc.returncode == 2 and "unknown allreduce algorithms ['bogus']" in proc.stderr
+
+
+def test_graph_mode_and_anchors_are_gpu_only_with_a_clear_error():
+    proc = bench("allreduce", "-a", "ring", "-e", "8", "--graph")
+    assert proc.returncode == 2 and "--graph times what a CUDA graph can hold, on GPUs" in proc.stderr
+    proc = bench("allreduce", "-a", "symm_mem_one_shot", "-e", "8")  # anchors exist for GPU all-reduce only
+    assert proc.returncode == 2 and "unknown allreduce algorithms ['symm_mem_one_shot']" in proc.stderr
+
+
+def test_anchors_that_cannot_share_a_process_say_why():
+    from tplab.lab.anchors import unavailable
+
+    assert "separate runs" in unavailable(["nccl_symmetric", "symm_mem_two_shot"])
+    assert unavailable(["nccl"]) in (None, "the anchors run on CUDA GPUs")

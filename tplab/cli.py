@@ -8,6 +8,10 @@
         -a builtin,ring,peer_one_shot,peer_two_shot,peer_ring,auto
                                      the same on a GPU node: one rank per GPU, NCCL as the built-in, and
                                      the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
+    mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 64M -b 1K -e 4M -f 4 --graph \
+        -a peer_one_shot,nccl,symm_mem_one_shot,symm_mem_two_shot
+                                     from CUDA graphs, next to the anchors (tplab.lab.anchors: NCCL,
+                                     NCCL's symmetric kernels, torch's symmetric-memory all-reduces)
 """
 
 from __future__ import annotations
@@ -61,29 +65,44 @@ def cmd_bench(args) -> int:
     from tplab.comm import communicator
     from tplab.lab.bench import sweep
 
+    from tplab.lab import anchors
+
     comm = communicator(args.device)            # host MPI, or NCCL on each rank's GPU
     nccl = comm
     known = list(tplab.ALGORITHMS[args.collective])
-    if args.peer_memory and args.device == "gpu" and args.collective == "allreduce":
+    gpu_allreduce = args.device == "gpu" and args.collective == "allreduce"
+    if args.peer_memory and gpu_allreduce:
         from tplab.gpu_collectives import PeerMemoryComm
 
         comm = PeerMemoryComm(nccl, args.peer_memory)   # "auto": the peer-memory kernels, by size
         known += list(PEER_KERNELS)
-    algorithms = args.algorithms.split(",") if args.algorithms else [a for a in known if a != "auto"]
+    known += list(anchors.ANCHORS) if gpu_allreduce else []
+    default = [a for a in known if a != "auto" and a not in anchors.ANCHORS]
+    algorithms = args.algorithms.split(",") if args.algorithms else default
     unknown = [a for a in algorithms if a not in known]
+    graph_only = set(PEER_KERNELS) | set(anchors.ANCHORS) | ({"auto"} if args.peer_memory else set())
+    problem = None
     if unknown:
+        hint = " (peer_* need --device gpu --peer-memory SIZE)" if any(a.startswith("peer_") for a in unknown) else ""
+        problem = f"unknown {args.collective} algorithms {unknown}; choose from {known}{hint}"
+    elif args.graph and (args.device != "gpu" or set(algorithms) - graph_only):
+        problem = (f"--graph times what a CUDA graph can hold, on GPUs: {sorted(graph_only)} "
+                   f"(not {sorted(set(algorithms) - graph_only)}: they need the host inside the call)")
+    elif {a for a in algorithms if a in anchors.ANCHORS}:
+        problem = anchors.unavailable([a for a in algorithms if a in anchors.ANCHORS])
+    if problem:
         if comm.rank == 0:
-            hint = " (peer_* need --device gpu --peer-memory SIZE)" if any(a.startswith("peer_") for a in unknown) else ""
-            print(f"tplab bench: unknown {args.collective} algorithms {unknown}; choose from {known}{hint}",
-                  file=sys.stderr)
+            print(f"tplab bench: {problem}", file=sys.stderr)
         return 2
+    if any(a in anchors.ANCHORS for a in algorithms):
+        anchors.start(algorithms, comm.device)
     sizes, size = [], args.minbytes
     while size <= args.maxbytes:
         sizes.append(size)
         size = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
     options = dict(dtype=args.datatype, op=args.op, iters=args.iters, warmup=args.warmup_iters, osu=args.osu,
                    validate=args.check, csv_path=args.csv, extra={"machine": args.machine or ""}, progress=True,
-                   device=args.device)
+                   device=args.device, graph=args.graph)
     rows = []
     for name in algorithms:
         if name in PEER_KERNELS:  # builtin on peer memory with that kernel (one_shot only up to its buffer)
@@ -146,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--csv", default=None, help="append each point to this CSV; a rerun skips points already there")
     p.add_argument("--osu", action="store_true", help="OSU latency mode: average latency, OSU's iteration counts")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip validation (#wrong = -1)")
+    p.add_argument("--graph", action="store_true",
+                   help="GPU: time -n calls replayed from one CUDA graph (the GPU's own time, no host launches)")
     p.add_argument("--machine", default=None, help="a description of the machine, stored in every row")
     p.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                    help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")

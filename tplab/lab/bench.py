@@ -38,8 +38,10 @@ from tplab.comm import world
 from tplab.toolkit.arrays import array_module
 from tplab.comm import communicator
 from tplab.comm.devices import to_device
+from tplab.lab import anchors
+from tplab.lab.anchors import ANCHORS
 
-BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors (shared/REFERENCE.md s.3)
+BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors
     "allreduce": lambda p: 2 * (p - 1) / p,
     "reduce_scatter": lambda p: (p - 1) / p,
     "allgather": lambda p: (p - 1) / p,
@@ -112,10 +114,42 @@ def _timed_on_gpu(fn, comm, iters) -> np.ndarray:
     return np.array([cupy.cuda.get_elapsed_time(start, end) / 1e3 for start, end in events])
 
 
+def _timed_in_graph(fn, comm, iters, reps: int = 7) -> np.ndarray:
+    """Seconds per call of ``iters`` calls captured in one CUDA graph, one entry per replay (``reps``, each
+    started together): the GPU's own time, without the host's launches. Captured on a side stream that
+    torch and CuPy both take as current (plans are made per stream; the first call makes this one's)."""
+    import cupy
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), cupy.cuda.ExternalStream(stream.cuda_stream):
+        fn()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream), cupy.cuda.ExternalStream(stream.cuda_stream):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    seconds = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        comm.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3 / iters)
+    return np.array(seconds)
+
+
 def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", iters=None, warmup=3,
-                    comm=None, osu=False, validate=True, device="cpu") -> dict:
+                    comm=None, osu=False, validate=True, device="cpu", graph=False) -> dict:
     """Measure one point; returns one row (the same on every rank). ``iters``: timed calls (default 20; with
-    ``osu``, OSU's counts unless given). ``comm`` defaults to the communicator
+    ``osu``, OSU's counts unless given). ``graph``: on GPUs, ``iters`` calls replayed from a CUDA graph
+    (mode "graph"). ``algorithm`` may name an anchor (tplab.lab.anchors: NCCL, NCCL's symmetric kernels,
+    torch's symm_mem; all-reduce on GPUs, after ``anchors.start``). ``comm`` defaults to the communicator
     for ``device`` (tplab.comm.communicator: the world on "cpu", NCCL on the bound GPU for "gpu")."""
     comm = comm or communicator(device)
     gpu = comm.moves_gpu_memory
@@ -124,20 +158,26 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
     rng = np.random.default_rng([count, comm.rank])
     x = (rng.integers(-8, 9, size=count) if dt.kind in "iu" else rng.uniform(-1, 1, size=count)).astype(dt)
     x = to_device(x, "gpu") if gpu else x
-    wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
+    if algorithm in ANCHORS:
+        run, wrong = anchors.prepare(algorithm, x, validate)
+    else:
+        wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
+
+        def run():
+            return _call(collective, x, comm, algorithm, op)
     if osu and iters is None:
         iters, warmup = osu_iterations(size)
     iters = 20 if iters is None else iters
     for _ in range(warmup):
-        _call(collective, x, comm, algorithm, op)
+        run()
     if gpu:
-        mine = _timed_on_gpu(lambda: _call(collective, x, comm, algorithm, op), comm, iters)
+        mine = (_timed_in_graph if graph else _timed_on_gpu)(run, comm, iters)
     else:
         mine = np.empty(iters)
         for i in range(iters):
             comm.barrier()
             t0 = time.perf_counter()
-            _call(collective, x, comm, algorithm, op)
+            run()
             mine[i] = time.perf_counter() - t0
     everyone = np.array(comm.allgather_object(mine.tolist()))  # (ranks, iterations)
     nbytes = count * dt.itemsize * (comm.size if collective == "allgather" else 1)
@@ -151,7 +191,8 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
     algbw = nbytes / t / 1e9 if t > 0 else float("nan")
     return {
         "collective": collective, "algorithm": algorithm, "ranks": comm.size,
-        "size": nbytes, "count": count, "type": dt.name, "redop": op, "mode": "osu" if osu else "nccl",
+        "size": nbytes, "count": count, "type": dt.name, "redop": op,
+        "mode": "graph" if graph and gpu else "osu" if osu else "nccl",
         "time_us": t * 1e6, "min_us": lo * 1e6, "max_us": hi * 1e6,
         "algbw": algbw, "busbw": algbw * BUS_FACTOR[collective](comm.size), "wrong": wrong,
         "iters": iters,
@@ -193,7 +234,7 @@ def _append(path, row) -> None:
 
 
 def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=None, warmup=3, comm=None,
-          osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu") -> list:
+          osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu", graph=False) -> list:
     """``time_collective`` for every size and algorithm; the rows, identical on every rank.
 
     ``csv_path``: rank 0 appends each point as soon as it is measured, and points already in the file
@@ -212,12 +253,13 @@ def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=Non
         itemsize = np.dtype(dtype).itemsize
         nbytes = elements_per_rank(collective, size, comm.size, itemsize) * itemsize
         nbytes *= comm.size if collective == "allgather" else 1
-        key = (collective, algorithm, str(comm.size), str(nbytes), np.dtype(dtype).name, op, "osu" if osu else "nccl")
+        mode = "graph" if graph and comm.moves_gpu_memory else "osu" if osu else "nccl"
+        key = (collective, algorithm, str(comm.size), str(nbytes), np.dtype(dtype).name, op, mode)
         if key in done:
             rows.append(done[key])
             continue
         row = time_collective(collective, algorithm, size, dtype=dtype, op=op, iters=iters, warmup=warmup,
-                              comm=comm, osu=osu, validate=validate)
+                              comm=comm, osu=osu, validate=validate, graph=graph)
         row.update(extra or {})
         if csv_path and comm.rank == 0:
             _append(csv_path, row)

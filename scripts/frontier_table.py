@@ -1,0 +1,55 @@
+"""The headline numbers of scripts/gpu_frontier.sh's run: OUT_DIR/gpu_frontier_<p>x-<card>.csv with columns
+metric, value, unit, anchor, anchor_value, card (the anchor: the best other implementation of the same run).
+
+    python scripts/frontier_table.py OUT_DIR
+"""
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+TPLAB = {"peer_one_shot", "peer_two_shot", "peer_ring", "auto"}
+
+
+def best(rows, names, column="time_us", lowest=True):
+    rows = rows[rows.algorithm.isin(names) & (rows.wrong <= 0)]
+    if rows.empty:
+        return None
+    row = rows.loc[rows[column].idxmin() if lowest else rows[column].idxmax()]
+    return row.algorithm, float(row[column])
+
+
+def main(out: Path) -> None:
+    small, large = pd.read_csv(out / "small.csv"), pd.read_csv(out / "large.csv")
+    card = str(small.machine.iloc[0])  # (tplab bench --machine: the card's name)
+    api = next(out.glob("gpu_api_allreduce_*x-*.csv"), None)
+    api = pd.read_csv(api) if api else None
+    p = int(small.ranks.iloc[0])
+    rows = []
+
+    def add(metric, unit, mine, anchor):
+        if mine and anchor:
+            rows.append(dict(metric=metric, value=round(mine[1], 3), unit=unit, anchor=anchor[0],
+                             anchor_value=round(anchor[1], 3), card=card))
+
+    graph = small[small["mode"] == "graph"]
+    for kib in (1, 16, 64, 256):
+        at = graph[graph["size"] == kib << 10]
+        add(f"p2_graph_us_{kib}KiB", "us", best(at, TPLAB), best(at, set(at.algorithm) - TPLAB))
+    if api is not None:
+        at = api[api["size"] == 64 << 10]
+        add("p2_eager_us_64KiB", "us", best(at.rename(columns={"path": "algorithm"}), {"tplab.allreduce"}),
+            best(at.rename(columns={"path": "algorithm"}), {"torch.distributed"}))
+    big = large[large["size"] == 256 << 20]
+    add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
+        best(big, set(big.algorithm) - TPLAB, "busbw", lowest=False))
+    slug = card.lower().replace("nvidia ", "").split()[0]
+    path = out / f"gpu_frontier_{p}x-{slug}.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    print(pd.DataFrame(rows).to_string(index=False))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

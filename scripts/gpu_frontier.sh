@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# tplab's GPU all-reduce next to the strongest others, on one GPU node (one rank per GPU), in one command:
+# small messages from CUDA graphs and eager (tplab's peer kernels; NCCL's default and symmetric kernels;
+# torch's symmetric-memory one-shot and two-shot), large messages' bus bandwidth, and the API's back-to-back
+# calls; then the headline table OUT_DIR/gpu_frontier_<P>x-<card>.csv (scripts/frontier_table.py).
+#
+#   bash scripts/gpu_frontier.sh [OUT_DIR]          # default build/gpu/frontier; P=2 for two GPUs
+#
+# Needs CuPy (pip install tplab[gpu]), torch with symmetric memory (the symm_mem rows are skipped with the
+# reason otherwise), mpi4py and an mpiexec (scripts/mpi_run.sh).
+set -u
+REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(realpath -m "${1:-$REPOSITORY/build/gpu/frontier}")
+cd "$REPOSITORY"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (see gpu_tests.sh)
+export PYTHONPATH=$REPOSITORY${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+P=${P:-4}
+PYTHON=${PYTHON:-python3}
+CARD=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/null || echo gpu)
+bench() { timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" -m tplab bench allreduce --device gpu --machine "$CARD" "$@" || echo "FAILED: $*"; }
+
+small="-b 1K -e 4M -f 4 -n 50 --csv $OUT/small.csv"
+bench --peer-memory 64M $small --graph -a peer_one_shot,auto,nccl,symm_mem_one_shot,symm_mem_two_shot
+bench --peer-memory 64M $small -a peer_one_shot,auto,nccl,symm_mem_one_shot,symm_mem_two_shot
+# NCCL's symmetric kernels in a process of their own: torch fixes the symmetric-memory backend once
+bench $small --graph -a nccl_symmetric
+bench $small -a nccl_symmetric
+bench --peer-memory 256M -b 256M -e 256M -n 20 -a peer_ring,peer_two_shot,nccl --csv "$OUT/large.csv"
+timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_api_allreduce.py "$OUT" --max-bytes 4M || echo "FAILED: api"
+"$PYTHON" scripts/frontier_table.py "$OUT"
