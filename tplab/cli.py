@@ -108,7 +108,7 @@ def cmd_bench(args) -> int:
         if name in PEER_KERNELS:  # builtin on peer memory with that kernel (one_shot only up to its buffer)
             comm.kernel = name.removeprefix("peer_")
             fits = [s for s in sizes if name != "peer_one_shot" or s <= comm.peers.small]
-            rows += [dict(r, algorithm=name) for r in sweep(args.collective, ["builtin"], fits, comm=comm, **options)]
+            rows += sweep(args.collective, ["builtin"], fits, comm=comm, label=name, **options)
             comm.kernel = "auto"
         else:  # "builtin" is NCCL's where peer memory is attached: the anchor
             rows += sweep(args.collective, [name], sizes, comm=nccl if name == "builtin" else comm, **options)

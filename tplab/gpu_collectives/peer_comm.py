@@ -44,7 +44,19 @@ class PeerMemoryComm(Wrapped):
         self.device = self.inner.device
         self.ranks_per_node = self.inner.ranks_per_node
         self.peers = PeerMemory(self.inner.mpi, max_bytes, blocks=blocks, timeout=timeout)
-        self.kernel = "auto"  # the own all-reduce: "auto" (by size: peers.table, peers.tune()) or one of KERNELS
+        self._kernel = "auto"
+
+    @property
+    def kernel(self) -> str:
+        """The own all-reduce's kernel: "auto" (by size: peers.table, ``tune()``) or one of KERNELS."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, name: str) -> None:
+        if name not in KERNELS:
+            raise ValueError(f"PeerMemoryComm.kernel: {name!r} is not one of {KERNELS}")
+        self._kernel = name
+        self.plans.clear()  # (a plan keeps the kernel it was made with)
 
     def cannot_take(self, arr):
         return self.inner.cannot_take(arr) or (

@@ -51,11 +51,10 @@ def start(names, device_index: int) -> None:
 
     from tplab.comm.torch_dist import TorchDistributedComm
 
-    backend = {BACKEND[n] for n in names if n in BACKEND}
-    if backend and not dist.is_initialized():
+    if any(BACKEND.get(n) == "NCCL" for n in names) and not dist.is_initialized():
         import torch.distributed._symmetric_memory as symm_mem
 
-        symm_mem.set_backend(backend.pop())
+        symm_mem.set_backend("NCCL")  # (CUDA is the default; naming it fails before its first allocation)
     TorchDistributedComm(torch.device("cuda", device_index))
 
 

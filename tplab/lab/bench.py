@@ -234,12 +234,14 @@ def _append(path, row) -> None:
 
 
 def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=None, warmup=3, comm=None,
-          osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu", graph=False) -> list:
+          osu=False, validate=True, csv_path=None, extra=None, progress=False, device="cpu", graph=False,
+          label=None) -> list:
     """``time_collective`` for every size and algorithm; the rows, identical on every rank.
 
     ``csv_path``: rank 0 appends each point as soon as it is measured, and points already in the file
     (same collective, algorithm, ranks, size, type, redop, mode) are not measured again, so an
     interrupted sweep resumes where it stopped. ``extra``: columns added to every row (say, machine).
+    ``label``: the name rows and the CSV give the one algorithm (say, the kernel behind "builtin").
     ``progress=True``: a tqdm bar on rank 0 (for terminals; engines' output is captured). ``device="gpu"``:
     on the bound GPUs over NCCL (tplab.comm.communicator), unless ``comm`` is given."""
     from tqdm import tqdm  # (tqdm.auto would look for Jupyter widgets on the engines)
@@ -254,13 +256,13 @@ def sweep(collective, algorithms, sizes, *, dtype="float32", op="sum", iters=Non
         nbytes = elements_per_rank(collective, size, comm.size, itemsize) * itemsize
         nbytes *= comm.size if collective == "allgather" else 1
         mode = "graph" if graph and comm.moves_gpu_memory else "osu" if osu else "nccl"
-        key = (collective, algorithm, str(comm.size), str(nbytes), np.dtype(dtype).name, op, mode)
+        key = (collective, label or algorithm, str(comm.size), str(nbytes), np.dtype(dtype).name, op, mode)
         if key in done:
             rows.append(done[key])
             continue
         row = time_collective(collective, algorithm, size, dtype=dtype, op=op, iters=iters, warmup=warmup,
                               comm=comm, osu=osu, validate=validate, graph=graph)
-        row.update(extra or {})
+        row.update(extra or {}, **({"algorithm": label} if label else {}))
         if csv_path and comm.rank == 0:
             _append(csv_path, row)
         rows.append(row)
