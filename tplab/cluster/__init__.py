@@ -18,19 +18,23 @@ From a terminal instead: ``ipcluster start -n 4 --engines=MPI --cluster-id=tplab
 ``Cluster.connect("tplab")`` in the notebook.
 """
 
-from tplab.cluster.cluster import Cluster, connect, connect_or_start, engine_rank, start, stop_cluster
-from tplab.cluster.failures import ERROR_GRACE_SECONDS, ClusterError, ClusterTimeout, EngineDied, RankError
+from tplab.cluster.cluster import Cluster, connect, engine_rank, start, stop_cluster
+from tplab.cluster.failures import (ERROR_GRACE_SECONDS, ClusterError, ClusterGone, ClusterTimeout, EngineDied,
+                                    RankError)
+from tplab.cluster.recovery import connect_or_start, own_cluster_id
 
 __all__ = [
     "ERROR_GRACE_SECONDS",
     "Cluster",
     "ClusterError",
+    "ClusterGone",
     "ClusterTimeout",
     "EngineDied",
     "RankError",
     "connect",
     "connect_or_start",
     "engine_rank",
+    "own_cluster_id",
     "start",
     "stop_cluster",
 ]
