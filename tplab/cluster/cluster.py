@@ -246,12 +246,12 @@ class Cluster:
         self.view.activate(suffix)
 
     # ---- stopping -------------------------------------------------------------------------------------
-    def stop(self, force=False, quiet=False) -> str:
+    def stop(self, force=False, quiet=False) -> None:
         """Stop the controller, mpiexec and the engines, leaving no process (and no /dev/shm file) behind,
         if this object started them (or ``force``); otherwise only disconnect, and leave the cluster to its
-        owner. Prints (and returns) one line saying which it did."""
+        owner. Prints one line saying which it did (``quiet``: not)."""
         if self.client is None and self._ipp_cluster is None:
-            return ""
+            return
         busy = False
         if self.client is not None:
             busy = bool(self.client.outstanding)  # a call never finished: ranks may be stuck in MPI
@@ -270,7 +270,6 @@ class Cluster:
                     f"{self.owner.describe()} (stop_cluster({self.cluster_id!r}) stops it anyway)")
         if not quiet:
             print(line)
-        return line
 
     def restart(self, n=None) -> "Cluster":
         """Stop (forcefully) and start again, with the same n or ``n``; this process owns the new cluster.
