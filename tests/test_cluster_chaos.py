@@ -152,3 +152,39 @@ def test_a_kernel_killed_hard_and_the_notebook_that_shared_its_cluster(where, ca
             kernel.kill()
         for proc in cluster_processes(os.path.abspath(where), "shared"):  # only if the test failed half-way
             proc.kill()
+
+
+def test_the_setup_cell_replaces_an_orphan_whose_watchdog_was_killed_too(where, capsys):
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.replace('"shared"', '"orphaned"').format(n=N, where=where)],
+                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, **ENGINE_ENV))
+    cluster = None
+    try:
+        lines = [kernel.stdout.readline() for _ in range(2)]
+        engine_pids = [int(pid) for pid in lines[1].split()[1:]]
+        procs = cluster_processes(os.path.abspath(where), "orphaned")
+        files = shm.mapped_files(engine_pids)
+        for proc in procs:  # the watchdog first (as if it never ran), then the kernel: a true orphan
+            if "tplab.cluster.watchdog" in " ".join(proc.cmdline()):
+                proc.kill()
+        kernel.kill()
+        kernel.wait(timeout=10)
+        assert all(psutil.pid_exists(pid) for pid in engine_pids)  # nothing stopped it
+
+        from tplab.cli import main
+        main(["doctor"])
+        assert "ORPHAN (owner dead)" in next(line for line in capsys.readouterr().out.splitlines()
+                                               if line.strip().startswith("orphaned"))
+
+        cluster = connect_or_start(N, cluster_id="orphaned", profile_dir=where)
+        assert f"stopped the one left running by process {kernel.pid}, which died; started 2 ranks" in \
+            capsys.readouterr().out
+        assert cluster.owns and [i["rank"] for i in cluster.run(engine_rank)] == list(range(N))
+        assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not any(map(os.path.exists, files))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if kernel.poll() is None:
+            kernel.kill()
+        for proc in cluster_processes(os.path.abspath(where), "orphaned"):  # only if the test failed half-way
+            proc.kill()
