@@ -70,4 +70,5 @@ def test_an_exception_on_one_rank_is_reported_at_once():
     problem = report[0]["problem"]
     agree(not any(r["ok"] for r in report) and problem.startswith("rank 1: raised KeyError")
           and "in raises_on_rank_1, line 3 of the function (test_checker_failures.py:" in problem
-          and 'raise KeyError("rank 1' in problem and seconds < min(LIMIT, DEADLINE), f"{seconds:.1f} s\n{format_report(report)}")
+          and 'raise KeyError("rank 1' in problem and seconds < min(LIMIT, DEADLINE),
+          f"{seconds:.1f} s\n{format_report(report)}")

@@ -24,7 +24,7 @@ from tplab.cluster.cluster import OWNED, Cluster
 from tplab.cluster.failures import ClusterError, ClusterTimeout
 from tplab.cluster.locate import is_running, load_cluster_file, profile_dir_of
 from tplab.cluster.ownership import owner_of
-from tplab.cluster.processes import cluster_processes, is_engine, shutdown
+from tplab.cluster.processes import cluster_processes, cmdline, is_engine, shutdown
 
 
 def own_cluster_id() -> str:
@@ -41,7 +41,10 @@ def connect_or_start(n=4, cluster_id=None, *, profile=None, profile_dir=None, ti
     """
     cluster_id = cluster_id or own_cluster_id()
     profile_dir = profile_dir_of(cluster_id, profile, profile_dir)
-    start = lambda: Cluster.start(n, cluster_id=cluster_id, profile_dir=profile_dir, timeout=timeout, env=env)  # noqa: E731
+
+    def start():
+        return Cluster.start(n, cluster_id=cluster_id, profile_dir=profile_dir, timeout=timeout, env=env)
+
     mine = OWNED.get((profile_dir, cluster_id))
     if mine is not None:
         why = _broken(mine, n)
@@ -63,10 +66,11 @@ def connect_or_start(n=4, cluster_id=None, *, profile=None, profile_dir=None, ti
     why, joined = None, None
     try:
         engines = sum(is_engine(p) for p in procs)
-        if not engines and not owner.by_hand:
+        launching = any("mpiexec" in cmdline(p) for p in procs)  # (its engines may not have started yet)
+        if not engines and not launching:
             raise ClusterError("it has no engines (its MPI job ended)")
-        # (engines of a cluster started by hand a moment ago may still be registering: wait for them)
-        joined = Cluster.connect(cluster_id, profile_dir=profile_dir, n=min(n, engines) or None,
+        # (engines of a cluster started a moment ago may still be registering: wait for them)
+        joined = Cluster.connect(cluster_id, profile_dir=profile_dir, n=min(n, engines) or n,
                                  timeout=min(timeout, 30))
         why = _broken(joined, n, joined=True)
     except ClusterTimeout:
