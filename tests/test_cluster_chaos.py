@@ -2,7 +2,8 @@
 cluster, lose a cluster another notebook shared. Each must end in a clear message, a working cluster after
 rerunning the setup cell, no process left behind and no /dev/shm file left behind.
 
-Two-engine clusters in temporary profile and state directories; every wait has a deadline (a hang fails
+Small clusters (2 engines where a rank must die with another, else 1) in temporary profile and state
+directories; every wait has a deadline (a hang fails
 within seconds); only processes these tests started are killed.
 """
 
@@ -116,15 +117,15 @@ time.sleep(120)   # a notebook kernel, idle: the test kills it with SIGKILL
 
 
 def test_a_kernel_killed_hard_and_the_notebook_that_shared_its_cluster(where, capsys):
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.format(n=N, where=where)], stdout=subprocess.PIPE,
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.format(n=1, where=where)], stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, **ENGINE_ENV))
     joined = None
     try:
         lines = [kernel.stdout.readline() for _ in range(2)]  # its setup line, then its engines' pids
-        assert "started 2 ranks" in lines[0], lines
+        assert "started 1 rank (this kernel owns them" in lines[0], lines
         engine_pids = [int(pid) for pid in lines[1].split()[1:]]
-        joined = connect_or_start(N, cluster_id="shared", profile_dir=where)
-        assert not joined.owns and f"joined its 2 ranks, owned by process {kernel.pid} (alive)" in \
+        joined = connect_or_start(1, cluster_id="shared", profile_dir=where)
+        assert not joined.owns and f"joined its 1 rank, owned by process {kernel.pid} (alive)" in \
             capsys.readouterr().out
         procs = cluster_processes(joined.profile_dir, "shared")
         files = shm.mapped_files(engine_pids)
@@ -155,8 +156,9 @@ def test_a_kernel_killed_hard_and_the_notebook_that_shared_its_cluster(where, ca
 
 
 def test_the_setup_cell_replaces_an_orphan_whose_watchdog_was_killed_too(where, capsys):
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL.replace('"shared"', '"orphaned"').format(n=N, where=where)],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, **ENGINE_ENV))
+    code = KERNEL.replace('"shared"', '"orphaned"').format(n=1, where=where)
+    kernel = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, **ENGINE_ENV))
     cluster = None
     try:
         lines = [kernel.stdout.readline() for _ in range(2)]
@@ -175,10 +177,10 @@ def test_the_setup_cell_replaces_an_orphan_whose_watchdog_was_killed_too(where, 
         assert "ORPHAN (owner dead)" in next(line for line in capsys.readouterr().out.splitlines()
                                                if line.strip().startswith("orphaned"))
 
-        cluster = connect_or_start(N, cluster_id="orphaned", profile_dir=where)
-        assert f"stopped the one left running by process {kernel.pid}, which died; started 2 ranks" in \
+        cluster = connect_or_start(1, cluster_id="orphaned", profile_dir=where)
+        assert f"stopped the one left running by process {kernel.pid}, which died; started 1 rank" in \
             capsys.readouterr().out
-        assert cluster.owns and [i["rank"] for i in cluster.run(engine_rank)] == list(range(N))
+        assert cluster.owns and [i["rank"] for i in cluster.run(engine_rank)] == [0]
         assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not any(map(os.path.exists, files))
     finally:

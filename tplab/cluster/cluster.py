@@ -262,7 +262,7 @@ class Cluster:
             shutdown(ipp_cluster, self.profile_dir, self.cluster_id, kill_engines_first=busy)
             self._ipp_cluster = None
             OWNED.pop((self.profile_dir, self.cluster_id), None)
-            line = f"stopped cluster {self.cluster_id!r} ({self.n} ranks): no process left"
+            line = f"stopped cluster {self.cluster_id!r} ({self.n} rank{'s' if self.n != 1 else ''}): no process left"
         elif self._controllers and not any(is_alive(p.pid) for p in self._controllers):
             line = f"disconnected from cluster {self.cluster_id!r}, which is gone already"
         else:

@@ -49,20 +49,20 @@ def connect_or_start(n=4, cluster_id=None, *, profile=None, profile_dir=None, ti
     if mine is not None:
         why = _broken(mine, n)
         if why is None:
-            how = f"reusing its {mine.n} ranks (this kernel started it)"
+            how = f"reusing its {ranks(mine.n)} (this kernel started it)"
         else:
             mine.restart(n)
-            how = f"{why}: restarted it with {n} ranks (this kernel owns them)"
+            how = f"{why}: restarted it with {ranks(n)} (this kernel owns them)"
         return _say(mine, how, quiet)
     if not is_running(profile_dir, cluster_id):
-        return _say(start(), f"started {n} ranks (this kernel owns them: they stop when it does)", quiet)
+        return _say(start(), f"started {ranks(n)} (this kernel owns them: they stop when it does)", quiet)
 
     procs = cluster_processes(profile_dir, cluster_id)
     owner = owner_of(procs)
     if not owner.alive:
         _stop(profile_dir, cluster_id)
         return _say(start(), f"stopped the one left running by process {owner.pid}, which died; started "
-                             f"{n} ranks (this kernel owns them)", quiet)
+                             f"{ranks(n)} (this kernel owns them)", quiet)
     why, joined = None, None
     try:
         engines = sum(is_engine(p) for p in procs)
@@ -83,12 +83,12 @@ def connect_or_start(n=4, cluster_id=None, *, profile=None, profile_dir=None, ti
             f"cluster {cluster_id!r} runs {joined.n} engines, fewer than the {n} asked for ({owner.describe()}): "
             f"use n={joined.n}, or stop it (tplab.cluster.stop_cluster({cluster_id!r})).")
     if why is None:
-        return _say(joined, f"joined its {joined.n} ranks, owned by {owner.describe()}; stop() leaves it running",
+        return _say(joined, f"joined its {ranks(joined.n)}, owned by {owner.describe()}; stop() leaves it running",
                     quiet)
     if joined is not None:
         joined.stop(quiet=True)
     _stop(profile_dir, cluster_id)
-    return _say(start(), f"{why} ({owner.describe()}): stopped it and started {n} ranks (this kernel owns "
+    return _say(start(), f"{why} ({owner.describe()}): stopped it and started {ranks(n)} (this kernel owns "
                          "them)", quiet)
 
 
@@ -112,6 +112,10 @@ def _broken(cluster, n, joined=False) -> str | None:
     except ClusterError as e:
         return f"it did not answer ({type(e).__name__})"
     return None
+
+
+def ranks(n) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
 
 
 def _stop(profile_dir, cluster_id):
