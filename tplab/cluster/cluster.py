@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import ipyparallel as ipp
 from traitlets.config import Config
@@ -197,8 +198,13 @@ class Cluster:
         self._check_usable(name)
         # One AsyncResult per engine, not one for the view: that one is ready only when every rank is,
         # and a rank blocked in a barrier never is -- while the rank that failed has its error ready now.
-        pending = {rank: self.client[self._engine_of[rank]].apply_async(_on_engine, func, args, kwargs)
-                   for rank in range(self.n)}
+        try:
+            pending = {rank: self.client[self._engine_of[rank]].apply_async(_on_engine, func, args, kwargs)
+                       for rank in range(self.n)}
+        except (ipp.error.NoEnginesRegistered, IndexError):  # an engine left since the check: say which
+            time.sleep(0.5)
+            self._check_usable(name)
+            raise
         lost = lambda: [self.ranks[e] for e in set(self.ranks) - set(self.client.ids)]  # noqa: E731
         try:
             return [wrapped[0] for wrapped in gather_results(pending, timeout, name, lost=lost, gone=self.gone)]
