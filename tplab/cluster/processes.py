@@ -22,9 +22,10 @@ def find_mpiexec() -> str:
     return beside_python if os.access(beside_python, os.X_OK) else "mpiexec"
 
 
-# MPICH over UCX (the PyPI wheel) opens a TCP listener on every network interface of every rank unless
-# its transports are limited to shared memory; the ranks of a local cluster need nothing else.
-LOCAL_ONLY_ENV = {"UCX_TLS": "self,sm", "FI_PROVIDER": "shm"}
+# MPICH over UCX (the PyPI wheel) opens a TCP listener on the machine's external address in every rank
+# unless UCX's TCP transport is left out; what remains (shared memory; CUDA and InfiniBand on a GPU node)
+# opens no IP listener. (FI_PROVIDER: the same for MPICH over libfabric.)
+LOCAL_ONLY_ENV = {"UCX_TLS": "^tcp", "FI_PROVIDER": "shm"}
 
 
 def local_launcher() -> list:
