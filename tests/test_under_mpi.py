@@ -39,16 +39,29 @@ def mpiexec() -> str:
     return found
 
 
+def remove_recorded_shm_files(record):
+    """The ranks wrote down the /dev/shm files they mapped (tests/mpi/conftest.py); a job that aborted (a
+    failing test) leaves them behind: remove those that nothing maps any more."""
+    from tplab.cluster.shm import remove_unused
+
+    paths = set()
+    for path in record.parent.glob(record.name + ".*"):
+        paths.update(line.strip() for line in path.read_text().splitlines() if line.strip())
+    return remove_unused(paths)
+
+
 @pytest.mark.parametrize("ranks", sorted(EXAMPLES))
-def test_mpi_suite(ranks, record_property):
-    env = dict(os.environ, TPLAB_UNDER_MPIEXEC="1", OMP_NUM_THREADS="1",
+def test_mpi_suite(ranks, record_property, tmp_path):
+    env = dict(os.environ, TPLAB_UNDER_MPIEXEC="1", OMP_NUM_THREADS="1", TPLAB_SHM_RECORD=str(tmp_path / "shm"),
                TPLAB_HYPOTHESIS_EXAMPLES=str(EXAMPLES[ranks]), PYTHONFAULTHANDLER="1")
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", *modules(ranks), "-q", "-s",
            "-p", "no:cacheprovider", "-p", "no:nbmake", "-x"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as e:
+        remove_recorded_shm_files(tmp_path / "shm")
         pytest.fail(f"mpiexec -n {ranks} did not finish within 600 s\n{e.stdout or ''}\n{e.stderr or ''}")
+    remove_recorded_shm_files(tmp_path / "shm")
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
     record_property("mpi_summary", f"mpiexec -n {ranks}: {summary}")  # shown at the end (conftest.py)
     assert proc.returncode == 0, f"mpiexec -n {ranks} failed (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"

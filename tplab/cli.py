@@ -2,6 +2,8 @@
 
     tplab info                       versions, MPI library, GPUs
     tplab demo --ranks 4 --out build start a local MPI cluster, execute the notebooks, summarise, stop
+    tplab doctor [--clean]           clusters, engines and /dev/shm files here, their owners and liveness;
+                                     --clean removes those provably tplab's and orphaned
     mpiexec -n 4 tplab bench allreduce --algorithms ring,recursive_doubling,builtin -b 8 -e 64M -f 2
                                      time collectives (nccl-tests-like flags and columns)
     mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 256M -b 1K -e 256M -f 4 \
@@ -48,6 +50,17 @@ def cmd_demo(args) -> int:
     from tplab.lab.demo import run_demo
 
     return run_demo(ranks=args.ranks, out=args.out, notebooks=args.notebooks, timeout=args.timeout)
+
+
+def cmd_doctor(args) -> int:
+    from tplab.cluster.doctor import clean, examine, format_report
+
+    report = examine()
+    print(format_report(report))
+    if args.clean:
+        done = clean(report)
+        print("\n".join(done) if done else "nothing to clean")
+    return 0
 
 
 def parse_size(text: str) -> int:
@@ -149,6 +162,11 @@ def main(argv=None) -> int:
     p.add_argument("--notebooks", nargs="*", default=None, help="notebooks to run (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("doctor", help="clusters, engines and shared-memory files on this machine, and their owners")
+    p.add_argument("--clean", action="store_true",
+                   help="stop orphaned tplab clusters and remove their /dev/shm files (nothing else)")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("bench", help="time collectives on the ranks of this MPI job (run under mpiexec)")
     p.add_argument("collective", choices=["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])

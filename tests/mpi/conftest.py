@@ -6,9 +6,12 @@
   longer than TPLAB_TEST_WATCHDOG seconds: a deadlock fails within seconds instead of hanging CI.
   (pytest-timeout cannot do this: it does not fire while a rank is blocked inside MPI.)
 - Only rank 0 reports to the terminal.
+- A job that aborts leaves MPICH's shared-memory files in /dev/shm (MPI_Finalize would remove them): each
+  rank writes the ones it maps to $TPLAB_SHM_RECORD.<rank>, and test_under_mpi.py removes them afterwards.
 """
 
 import faulthandler
+import os
 import sys
 
 import pytest
@@ -23,8 +26,28 @@ def pytest_configure(config):
             config.pluginmanager.unregister(reporter)
 
 
+_recorded: set = set()
+
+
+def record_shm_files():
+    """Append the /dev/shm files this rank maps (MPICH's, made at MPI_Init or by shared windows) to its record."""
+    record = os.environ.get("TPLAB_SHM_RECORD")
+    if not record:
+        return
+    # (as tplab.cluster.shm.mapped_files does; importing tplab.cluster here would load ipyparallel on every rank)
+    with open("/proc/self/maps") as f:
+        fields = [line.split(maxsplit=5) for line in f]
+    new = {x[5].strip() for x in fields if len(x) == 6 and x[5].startswith("/dev/shm/")
+           and not x[5].strip().endswith("(deleted)")} - _recorded
+    if new:
+        _recorded.update(new)
+        with open(f"{record}.{COMM.rank}", "a") as f:
+            f.writelines(path + "\n" for path in sorted(new))
+
+
 @pytest.fixture(autouse=True)
 def deadlock_watchdog():
+    record_shm_files()
     faulthandler.dump_traceback_later(WATCHDOG_SECONDS, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
@@ -41,4 +64,5 @@ def pytest_runtest_makereport(item, call):
             f"{report.longreprtext}\n[rank {COMM.rank}] aborting the MPI job\n"
         )
         sys.stderr.flush()
+        record_shm_files()
         COMM.Abort(1)

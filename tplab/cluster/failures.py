@@ -14,7 +14,9 @@ import time
 # After one rank fails, how long to wait for the others before reporting: they may fail too, or be
 # blocked for ever in a collective that the failed rank will never join.
 ERROR_GRACE_SECONDS = 2.0
-RECOVER = "cluster.restart() kills and relaunches the engines (their variables are lost: re-run your setup)"
+RECOVER = ("cluster.restart(), or rerun the setup cell, kills and relaunches the engines (their variables are "
+           "lost: re-run your setup)")
+GONE_CHECK_SECONDS = 0.5  # how often a waiting call checks that the cluster's controller still runs
 
 
 class ClusterError(RuntimeError):
@@ -37,6 +39,10 @@ class ClusterTimeout(ClusterError):
         self.finished, self.unfinished = list(finished), list(unfinished)
 
 
+class ClusterGone(ClusterError):
+    """The cluster's controller is gone: its owner stopped it, or it was killed. Only a new one helps."""
+
+
 class EngineDied(ClusterError):
     """Engine processes died. ``ranks``: the dead ranks, the first to die first."""
 
@@ -46,13 +52,18 @@ class EngineDied(ClusterError):
 
 
 # ---- collecting results, and explaining failures ---------------------------------------------------------
-def gather_results(pending, timeout, what, label="rank", lost=lambda: []):
+def gather_results(pending, timeout, what, label="rank", lost=lambda: [], gone=lambda: None):
     """Wait for {rank: AsyncResult}; return the results in rank order, or raise a ClusterError naming the
     ranks that raised, died or did not finish. ``label`` is the word for a key ("engine" before ranks
-    are known); ``lost()`` lists the ranks whose engines left the controller."""
-    deadline, first_failure = time.monotonic() + timeout, None
+    are known); ``lost()`` lists the ranks whose engines left the controller; ``gone()`` says why the
+    whole cluster is gone (ClusterGone at once: no result can come), or None."""
+    deadline, first_failure, next_gone_check = time.monotonic() + timeout, None, 0.0
     while not all(ar.ready() for ar in pending.values()):
         now = time.monotonic()
+        if now >= next_gone_check:
+            next_gone_check, why = now + GONE_CHECK_SECONDS, gone()
+            if why:
+                raise ClusterGone(f"{what}: {why}")
         # A dead engine comes back as an EngineError within moments (each engine has a watchdog
         # "nanny" that tells the controller); one that left without that report counts as dead too.
         if lost() or any(ar.ready() and not ar.successful() for ar in pending.values()):
@@ -74,6 +85,8 @@ def gather_results(pending, timeout, what, label="rank", lost=lambda: []):
     died = sorted((k for k, e in errors.items() if getattr(e, "ename", None) == "EngineError"),
                   key=lambda k: _completed(pending[k]))  # the first reported is the first that died
     died += [k for k in sorted(lost()) if k in unfinished]
+    if died and gone():  # the whole cluster was stopped (its engines first): say that, not which died
+        raise ClusterGone(f"{what}: {gone()}")
     if died:
         raise EngineDied(
             f"{what}: the engine process of {label} {died[0]} died"

@@ -14,10 +14,27 @@ import sys
 
 import psutil
 
+from tplab.cluster import ledger, shm
+
 
 def find_mpiexec() -> str:
     beside_python = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return beside_python if os.access(beside_python, os.X_OK) else "mpiexec"
+
+
+# MPICH over UCX (the PyPI wheel) opens a TCP listener on the machine's external address in every rank
+# unless UCX's TCP transport is left out; what remains (shared memory; CUDA and InfiniBand on a GPU node)
+# opens no IP listener. (FI_PROVIDER: the same for MPICH over libfabric.)
+LOCAL_ONLY_ENV = {"UCX_TLS": "^tcp", "FI_PROVIDER": "shm"}
+
+
+def local_launcher() -> list:
+    """The launcher for a cluster on this machine only. MPICH's hydra ``mpiexec`` listens on every interface
+    (0.0.0.0) for its proxies, whatever its flags; MPICH's ``mpiexec.gforker``, installed beside it, forks
+    the ranks and talks to them over pipes: no socket at all. Other MPIs: their ``mpiexec``."""
+    mpiexec = find_mpiexec()
+    gforker = mpiexec + ".gforker"
+    return [gforker] if os.path.isabs(mpiexec) and os.access(gforker, os.X_OK) else [mpiexec]
 
 
 def mpiexec_args(mpiexec: str) -> list:
@@ -53,10 +70,15 @@ def cluster_processes(profile_dir, cluster_id) -> list:
     return found
 
 
-def shutdown(ipp_cluster, profile_dir, cluster_id, kill_engines_first=False):
-    """Stop through ipyparallel (SIGTERM to the controller and mpiexec), then terminate what is left."""
+def shutdown(ipp_cluster, profile_dir, cluster_id, kill_engines_first=False) -> list:
+    """Stop through ipyparallel (SIGTERM to the controller and mpiexec), then terminate what is left, then
+    remove the shared-memory files the engines leave (shm.py) and the cluster's ledger entry. Returns the
+    files removed."""
+    procs = cluster_processes(profile_dir, cluster_id)
+    entry = ledger.read(profile_dir, cluster_id) or {}
+    files = shm.mapped_files(p.pid for p in procs if is_engine(p)) | set(entry.get("shm", []))
     if kill_engines_first:  # ranks stuck inside MPI never act on SIGTERM: mpiexec would wait for them
-        kill([p for p in cluster_processes(profile_dir, cluster_id) if "ipyparallel.engine" in cmdline(p)])
+        kill([p for p in procs if is_engine(p)])
     if ipp_cluster is not None:
         try:
             ipp_cluster.stop_cluster_sync()
@@ -69,6 +91,15 @@ def shutdown(ipp_cluster, profile_dir, cluster_id, kill_engines_first=False):
         except psutil.Error:
             pass
     kill(psutil.wait_procs(leftovers, timeout=3)[1])
+    removed = shm.remove_unused(files)
+    ledger.remove(profile_dir, cluster_id)
+    return removed
+
+
+def is_engine(proc) -> bool:
+    """An MPI rank of the cluster (not its nanny, not mpiexec)."""
+    line = cmdline(proc)
+    return "ipyparallel.engine" in line and "nanny" not in line and "mpiexec" not in line
 
 
 def cmdline(proc) -> str:

@@ -312,6 +312,10 @@ def run_cases(fn, cases, diagnose, *, comm=None, timeout=5.0, bitwise=False, tit
             if not ok and (stop_at_first_failure or _not_written(verdicts)):
                 _skip_the_rest(report, cases[i + 1:], summary if _not_written(verdicts) else None)
                 break
+            if not ok and any(kind == "deadlock" for kind, *_ in verdicts):  # each would wait out its deadline
+                _skip_the_rest(report, cases[i + 1:], f"not run: case {case.name!r} deadlocked (each deadlock "
+                                                      f"waits {timeout:g} s; fix that one first)")
+                break
     finally:
         channel.free()
     return report
