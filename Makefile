@@ -11,7 +11,8 @@
 #
 # On a laptop, create .venv with the small CPU build of torch, whichever target runs first:
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu      (then make lab / demo / test)
-# .venv is created once; rm -rf .venv to create it again with other variables.
+# .venv is created once; rm -rf .venv to create it again with other variables. torch comes from pip (which
+# honours pip.conf's local wheels); the rest from uv where it installs (several times faster), else pip.
 #
 # Variables:
 #   N=4                    MPI engines for make demo
@@ -32,6 +33,7 @@ MPI    ?= mpich
 PYTEST_ARGS ?=
 
 BIN   := $(abspath $(VENV))/bin
+EXTRAS  = $(if $(MPI),mpich$(comma))notebooks,test
 STAMP := $(VENV)/.tplab-installed
 BROWSER_STAMP := $(VENV)/.tplab-browser-installed
 comma := ,
@@ -47,7 +49,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
-	$(BIN)/python -m pip install -q -e ".[$(if $(MPI),mpich$(comma))notebooks,test]"
+	$(BIN)/python -m pip install -q uv && $(BIN)/uv pip install -q --python $(BIN)/python -e ".[$(EXTRAS)]" \
+	  || $(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/python -m tplab info
 	touch $@
 
