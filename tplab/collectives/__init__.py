@@ -32,7 +32,8 @@ import contextlib
 import numpy as np
 
 from tplab.collectives import auto, snapshots
-from tplab.collectives.alltoall import alltoall  # pairwise exchange (sequence parallelism: Ulysses)
+from tplab.collectives.alltoall import alltoall  # pairwise or Bruck (sequence parallelism: Ulysses; MoE)
+from tplab.collectives.alltoallv import alltoallv  # variable counts per destination (MoE dispatch, combine)
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce, tree_allreduce
 from tplab.collectives.checks import agree_on_arguments
 from tplab.comm.base import CollectiveArgumentError, Unsupported
@@ -327,6 +328,7 @@ __all__ = [
     "CollectiveArgumentError",
     "allgather",
     "alltoall",
+    "alltoallv",
     "allreduce",
     "broadcast",
     "reduce",
