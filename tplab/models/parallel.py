@@ -45,6 +45,7 @@ from tplab.layers.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from tplab.models.gpt import GPT, Block, GPTConfig
+from tplab.moe import ExpertParallelMoE, MoE, ReplicatedTokensMoE
 
 
 def check_splittable(config: GPTConfig, tp: int) -> None:
@@ -69,8 +70,12 @@ class ParallelBlock(nn.Module):
         self.attention = ParallelAttention.from_dense(
             a.q_proj, a.k_proj, a.v_proj, a.o_proj, a.n_head, comm, num_kv_heads=a.n_kv_head, algorithm=algorithm,
             rotary=copy.deepcopy(a.rotary), sequence_parallel=sequence_parallel)
-        self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
-                                          algorithm=algorithm, sequence_parallel=sequence_parallel)
+        if isinstance(m, MoE):  # a mixture of experts: expert-parallel, on each rank's slice of the tokens
+            self.mlp = ReplicatedTokensMoE(ExpertParallelMoE.from_dense(m, comm), comm,
+                                           sequence_parallel=sequence_parallel)
+        else:
+            self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
+                                              algorithm=algorithm, sequence_parallel=sequence_parallel)
 
     def forward(self, x, cache=None, mask=None):  # x: (b, s, h) replicated, or (s/p, b, h) under sequence
         # parallelism; mask: an extra attention mask over the whole sequence (attend)
