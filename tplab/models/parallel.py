@@ -7,6 +7,7 @@ What is split (Megatron's recipe): the token embedding by vocabulary rows (Vocab
 block's attention by heads and its MLP by hidden columns, the LM head by vocabulary (logits gathered).
 Replicated: position embeddings and the norms (cheap, and they need whole rows). Hugging Face's
 GPT2LMHeadModel and LlamaForCausalLM are converted to tplab's GPT first (hf.py), then split the same way,
+MixtralForCausalLM too (hf_moe.py: its mixture-of-experts layers split by experts, tplab.moe),
 and answer as Hugging Face models do (hf_sharded.py): ``sharded(ids).logits``, ``sharded.generate(...)``.
 
 Collectives per forward pass, L blocks:
@@ -48,14 +49,15 @@ from tplab.models.gpt import GPT, Block, GPTConfig
 from tplab.moe import ExpertParallelMoE, MoE, ReplicatedTokensMoE
 
 
-def check_splittable(config: GPTConfig, tp: int) -> None:
-    """A clear error, naming every dimension at fault, when the model cannot be split over ``tp`` ranks."""
+def check_splittable(config: GPTConfig, tp: int, dense_mlp: bool = True) -> None:
+    """A clear error, naming every dimension at fault, when the model cannot be split over ``tp`` ranks.
+    ``dense_mlp=False``: the feed-forward layers are mixtures of experts, split by experts (any number)."""
     problems = []
     try:
         heads_per_rank(config.n_head, config.kv_heads, tp)
     except ValueError as e:
         problems.append(str(e))
-    for what, size in [("vocabulary size", config.vocab_size), ("MLP hidden size (ffn_size)", config.ffn)]:
+    for what, size in [("vocabulary size", config.vocab_size)] + [("MLP hidden size (ffn_size)", config.ffn)] * dense_mlp:
         if size % tp:
             problems.append(f"{what} = {size} is not divisible by the tensor-parallel size {tp}")
     if problems:
@@ -139,7 +141,7 @@ class ParallelGPT(nn.Module):
         return x
 
 
-HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM")
+HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM")
 
 
 def as_tplab_gpt(model) -> GPT:
@@ -153,8 +155,13 @@ def as_tplab_gpt(model) -> GPT:
         from tplab.models.hf import from_hf_llama
 
         return from_hf_llama(model)
+    if name == "MixtralForCausalLM":  # attention by heads (TP), the experts over the ranks (EP)
+        from tplab.models.hf_moe import from_hf_mixtral
+
+        return from_hf_mixtral(model)
     if not isinstance(model, GPT):
-        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel and LlamaForCausalLM; "
+        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM and "
+                        f"MixtralForCausalLM; "
                         f"got {name}")
     return model
 
@@ -168,7 +175,7 @@ def parallelize(model, comm, sequence_parallel: bool = False, algorithm="auto"):
     that answers as the Hugging Face model does: ``sharded(ids).logits`` and ``sharded.generate(ids,
     max_new_tokens=k, do_sample=False)`` (greedy only), with the ParallelGPT inside as ``sharded.gpt``."""
     gpt = as_tplab_gpt(model)
-    check_splittable(gpt.config, comm.size)
+    check_splittable(gpt.config, comm.size, dense_mlp=not any(isinstance(b.mlp, MoE) for b in gpt.blocks))
     sharded = ParallelGPT(gpt, comm, algorithm, sequence_parallel=sequence_parallel)
     if type(model).__name__ in HUGGING_FACE_MODELS:
         from tplab.models.hf_sharded import ShardedCausalLM  # (imports transformers: only for its models)
