@@ -9,6 +9,8 @@
                         traffic(): its bytes and messages per rank
     replicated.py       ReplicatedTokensMoE: EP inside a TP model (each rank's slice of replicated tokens)
     imbalance.py        tokens per expert and per rank, max/mean imbalance, makespan, what capacity drops
+    train.py            train_router: a tiny MoE language model trained briefly, with or without noise and the
+                        auxiliary loss, recording its balance
 """
 
 from tplab.moe.expert_parallel import ExpertParallelMoE, expert_bounds, traffic
