@@ -69,3 +69,23 @@ def test_a_short_training_run_records_the_balance():
     assert sum(history[0]["tokens_per_expert"]) == 8 * 16 * 2 and not model.training
     rows = imbalance.capacity_sweep(model.moe, model.hidden_states(ids[:64].reshape(4, 16)), [None, 0.5], 2)
     assert rows[0]["dropped_fraction"] == 0 and rows[1]["dropped_fraction"] >= 0.5
+
+
+def test_dispatch_exercise_checker():
+    from tplab.lab.exercises import check_dispatch_order, passed, solutions
+
+    assert passed(check_dispatch_order(solutions.dispatch_order, progress=False))
+
+    def unstable(experts, e):  # grouped by expert, but not in token order inside
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat * 1000 - torch.arange(flat.numel()))
+        return order, torch.bincount(flat, minlength=e)
+
+    def counts_without_idle_experts(experts, e):
+        flat = experts.reshape(-1)
+        return torch.sort(flat, stable=True).indices, torch.bincount(flat)
+
+    report = check_dispatch_order(unstable, progress=False)
+    assert not passed(report) and any("token order" in r["problem"] for r in report)
+    report = check_dispatch_order(counts_without_idle_experts, progress=False)
+    assert any("all 4" in r["problem"] for r in report)
