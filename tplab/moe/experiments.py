@@ -110,7 +110,7 @@ def exchange_record(comm=None, *, tokens_per_rank=3, experts=None, top_k=2, hidd
 
 
 def traced_layer(tracer_class, comm=None, *, tokens_per_rank=512, hidden=256, experts=None, top_k=2,
-                 favour=4.0, warmup=2, seed=0):
+                 favour=0.5, warmup=2, seed=0):
     """One forward of an expert-parallel layer whose router favours the first experts (its logits get
     ``favour`` added for expert 0, less for the next, ...), traced: returns ``tracer.gather()`` (rank 0)."""
     comm = world() if comm is None else comm
@@ -145,3 +145,30 @@ def alltoall_timings(comm=None, *, sizes=(64, 1024, 16384, 262144), iters=20, wa
                                warmup=warmup, barrier=comm.barrier)
             rows.append({"algorithm": algorithm, "size": x.nbytes, "time_us": slowest_median(times, comm) * 1e6})
     return rows
+
+
+VARIANTS = [("plain", 0.0, False), ("noise", 0.0, True), ("aux loss 0.01", 0.01, False),
+            ("noise + aux loss 0.05", 0.05, True)]
+
+
+def train_variant(ids, comm=None, *, steps=100, every=10, ranks=4, factors=(None, 2.0, 1.5, 1.25, 1.0, 0.75, 0.5),
+                  batch_tokens=256, seed=0) -> dict:
+    """Rank r trains the router variant VARIANTS[r] (tplab.moe.train.train_router) on the token ids; returns
+    its history and, for the trained router on the last 4096 tokens in batches of ``batch_tokens``, what each
+    capacity factor drops and the imbalance over ``ranks`` ranks that remains. Ranks beyond the first four
+    return empty lists (one run per variant). Not collective."""
+    from tplab.moe.imbalance import capacity_sweep
+    from tplab.moe.train import train_router
+
+    comm = world() if comm is None else comm
+    if comm.rank >= len(VARIANTS):
+        return {"history": [], "capacity": []}
+    name, aux_coef, noise = VARIANTS[comm.rank]
+    torch.set_num_threads(1)
+    ids = torch.as_tensor(ids)
+    model, history = train_router(ids, steps=steps, aux_coef=aux_coef, noise=noise, every=every, seed=seed)
+    with torch.no_grad():
+        x = model.hidden_states(ids[-4096:].reshape(16, -1))
+    sweep = capacity_sweep(model.moe, x, factors, ranks, batch_tokens)
+    return {"history": [{"variant": name, **row} for row in history],
+            "capacity": [{"variant": name, **row} for row in sweep]}

@@ -54,3 +54,14 @@ class MoE(nn.Module):
         self.last = {"kept": plan.kept, "dropped": plan.dropped, "capacity": limit,
                      "aux_loss": load_balancing_loss(routing) if self.training else None}
         return y.reshape(shape)
+
+
+def parameter_counts(hidden: int, ffn: int, num_experts: int, top_k: int, *, shared_ffn: int = 0,
+                     activation: str = "swiglu") -> dict:
+    """Parameters of one MoE feed-forward layer: all of them, and the *active* ones a token uses (its k
+    experts, the shared expert, the router). SwiGLU experts have 3·h·ffn weights, GELU ones 2·h·ffn."""
+    per_ffn = (3 if activation == "swiglu" else 2) * hidden
+    router = hidden * num_experts
+    total = num_experts * per_ffn * ffn + per_ffn * shared_ffn + router
+    active = top_k * per_ffn * ffn + per_ffn * shared_ffn + router
+    return {"total": total, "active": active, "active_share": active / total}

@@ -42,7 +42,7 @@ def train_router(ids: torch.Tensor, *, steps: int = 200, batch: int = 16, block:
     model = TinyMoELM(vocab, experts=experts, top_k=top_k, noise=noise)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     held_out = ids[-(8 * block):].reshape(8, block)  # the same tokens at every measurement
-    history = []
+    history, last_loss = [], None
     for step in range(steps + 1):
         if step % every == 0 or step == steps:
             model.eval()
@@ -50,6 +50,8 @@ def train_router(ids: torch.Tensor, *, steps: int = 200, batch: int = 16, block:
             history.append({"step": step, "aux_coef": aux_coef, "noise": noise,
                             "imbalance": max_over_mean(counts), "tokens_per_expert": counts.tolist()})
         if step == steps:
+            if last_loss is not None:
+                history[-1]["loss"] = last_loss  # the last training batch's loss
             break  # (left in eval mode: no noise when it is measured afterwards)
         model.train()
         starts = torch.randint(0, len(ids) - block - 1 - 8 * block, (batch,), generator=g)
@@ -61,5 +63,6 @@ def train_router(ids: torch.Tensor, *, steps: int = 200, batch: int = 16, block:
         optimizer.zero_grad()
         total.backward()
         optimizer.step()
-        history[-1].setdefault("loss", float(loss.detach()))
+        last_loss = float(loss.detach())
+        history[-1].setdefault("loss", last_loss)
     return model, history
