@@ -28,7 +28,7 @@ from tplab.models.hf_greedy import greedy_settings
 
 # The output type each Hugging Face model's forward returns (only .logits is filled in here)
 OUTPUT_TYPES = {"GPT2LMHeadModel": CausalLMOutputWithCrossAttentions, "LlamaForCausalLM": CausalLMOutputWithPast,
-                "MixtralForCausalLM": MoeCausalLMOutputWithPast}
+                "MixtralForCausalLM": MoeCausalLMOutputWithPast, "Qwen2MoeForCausalLM": MoeCausalLMOutputWithPast}
 
 
 class ShardedCausalLM(nn.Module):

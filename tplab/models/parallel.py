@@ -7,7 +7,8 @@ What is split (Megatron's recipe): the token embedding by vocabulary rows (Vocab
 block's attention by heads and its MLP by hidden columns, the LM head by vocabulary (logits gathered).
 Replicated: position embeddings and the norms (cheap, and they need whole rows). Hugging Face's
 GPT2LMHeadModel and LlamaForCausalLM are converted to tplab's GPT first (hf.py), then split the same way,
-MixtralForCausalLM too (hf_moe.py: its mixture-of-experts layers split by experts, tplab.moe),
+MixtralForCausalLM and Qwen2MoeForCausalLM too (hf_moe.py: their mixture-of-experts layers split by experts,
+tplab.moe),
 and answer as Hugging Face models do (hf_sharded.py): ``sharded(ids).logits``, ``sharded.generate(...)``.
 
 Collectives per forward pass, L blocks:
@@ -141,7 +142,7 @@ class ParallelGPT(nn.Module):
         return x
 
 
-HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM")
+HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def as_tplab_gpt(model) -> GPT:
@@ -159,9 +160,13 @@ def as_tplab_gpt(model) -> GPT:
         from tplab.models.hf_moe import from_hf_mixtral
 
         return from_hf_mixtral(model)
+    if name == "Qwen2MoeForCausalLM":
+        from tplab.models.hf_moe import from_hf_qwen2_moe
+
+        return from_hf_qwen2_moe(model)
     if not isinstance(model, GPT):
-        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM and "
-                        f"MixtralForCausalLM; "
+        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM, "
+                        f"MixtralForCausalLM and Qwen2MoeForCausalLM; "
                         f"got {name}")
     return model
 
@@ -175,7 +180,7 @@ def parallelize(model, comm, sequence_parallel: bool = False, algorithm="auto"):
     that answers as the Hugging Face model does: ``sharded(ids).logits`` and ``sharded.generate(ids,
     max_new_tokens=k, do_sample=False)`` (greedy only), with the ParallelGPT inside as ``sharded.gpt``."""
     gpt = as_tplab_gpt(model)
-    check_splittable(gpt.config, comm.size, dense_mlp=not any(isinstance(b.mlp, MoE) for b in gpt.blocks))
+    check_splittable(gpt.config, comm.size, dense_mlp=not all(isinstance(b.mlp, MoE) for b in gpt.blocks))
     sharded = ParallelGPT(gpt, comm, algorithm, sequence_parallel=sequence_parallel)
     if type(model).__name__ in HUGGING_FACE_MODELS:
         from tplab.models.hf_sharded import ShardedCausalLM  # (imports transformers: only for its models)
