@@ -15,6 +15,8 @@ from tplab.moe import ReplicatedTokensMoE  # noqa: E402
 
 P = COMM.size
 C = world(timeout=10)
+# the rank counts the issue asks for (p = 1, 2, 4); the suite's time budget leaves the others to test_moe.py
+pytestmark = pytest.mark.skipif(P not in (1, 2, 4), reason="Hugging Face MoE models are checked at p = 1, 2, 4")
 
 
 def hf_mixtral(seed=7):

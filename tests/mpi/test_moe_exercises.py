@@ -34,12 +34,12 @@ def everything_to_everyone(x, comm):
 
 def test_the_alltoall_checker():
     agree(passed(check_alltoall(solutions.pairwise_alltoall, progress=False)), "the solution fails")
-    if P == 1:
+    if P == 1 or P > 4:  # (the wrong attempts need a few ranks; many oversubscribed ones only cost time)
         return
     report = check_alltoall(lambda x, comm: x.copy(), progress=False, stop_at_first_failure=True)
     agree(any("nothing was exchanged" in r["problem"] for r in report), str(report))
     report = check_alltoall(everything_to_everyone, progress=False, stop_at_first_failure=False)
     agree(any("right values, but sent" in r["problem"] for r in report), str(report))
-    report = check_alltoall(blocking_sends_first, timeout=2.0, progress=False)
+    report = check_alltoall(blocking_sends_first, timeout=1.0, progress=False, stop_at_first_failure=True)
     agree(not passed(report) and any("within" in r["problem"] or "deadlock" in r["problem"].lower() for r in report),
           str(report))

@@ -7,6 +7,10 @@
                                                             (ranks may contribute different lengths)
     broadcast(x, comm, root=0, algorithm="auto")         -> root's array on every rank
     reduce(x, comm, root=0, op="sum", algorithm="auto")  -> the reduction on root, None elsewhere
+    alltoall(x, comm, algorithm="pairwise")              -> (p, ...): out[j] is rank j's x[my rank]
+                                                            ("bruck": ⌈lg p⌉ messages, for small blocks)
+    alltoallv(x, send_counts, comm, recv_counts=None)    -> the rows every rank sent me, in rank order
+                                                            (variable counts: mixture-of-experts dispatch)
 
 Each takes numpy arrays (any shape, contiguous or not), CuPy arrays or torch tensors (CPU, or CUDA with
 bfloat16 too), leaves ``x`` unchanged and returns a new array of the same kind. GPU data stay on the GPU
