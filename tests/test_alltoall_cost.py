@@ -34,3 +34,16 @@ def test_bruck_wins_below_the_crossover_and_loses_above(p):
 
 def test_no_crossover_where_both_send_the_same():
     assert crossover_bytes(2, M) is None and crossover_bytes(3, M) is None
+
+
+def test_fit_and_measured_crossover():
+    from tplab.cost.alltoall import fit_pairwise, measured_crossover
+
+    rows = [{"algorithm": a, "size": n, "time_us": predict("alltoall", a, 4, n, M) * 1e6}
+            for a in ("pairwise", "bruck") for n in (64, 1 << 14, 1 << 20, 1 << 24)]
+    fitted = fit_pairwise(rows, 4)
+    assert fitted.alpha == pytest.approx(M.alpha) and fitted.beta == pytest.approx(M.beta)
+    crossover = crossover_bytes(4, M)
+    assert measured_crossover(rows) == min(n for n in (64, 1 << 14, 1 << 20, 1 << 24) if n > crossover)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_pairwise(rows[:1], 4)

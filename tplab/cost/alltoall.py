@@ -67,3 +67,34 @@ def formula_text_alltoall(algorithm: str) -> str:
     if ("alltoall", algorithm) not in FORMULAS:
         raise unknown("alltoall", algorithm, set(FORMULAS))
     return FORMULAS["alltoall", algorithm]
+
+
+def fit_pairwise(rows, p: int, name: str = "fitted"):
+    """α and β from measured pairwise all-to-alls (rows with algorithm, size = n bytes, time_us): a least-squares
+    fit of t = (p-1)α + (p-1)/p·nβ (each clipped to stay positive). Returns a Machine (γ = 0)."""
+    import numpy as np
+
+    from tplab.cost.formulas import Machine
+
+    pairs = [(r["size"], r["time_us"] * 1e-6) for r in rows if r["algorithm"] == "pairwise"]
+    if len(pairs) < 2 or p < 2:
+        raise ValueError("fit_pairwise needs pairwise timings at two sizes or more, on 2 ranks or more")
+    sizes, seconds = (np.array(v, dtype=float) for v in zip(*pairs))
+    design = np.stack([np.full(len(sizes), p - 1.0), (p - 1) / p * sizes], axis=1)
+    alpha, beta = np.linalg.lstsq(design, seconds, rcond=None)[0]
+    return Machine(alpha=max(float(alpha), 1e-9), beta=max(float(beta), 1e-15), gamma=0.0, name=name)
+
+
+def measured_crossover(rows) -> float | None:
+    """The smallest measured size from which pairwise exchange is faster than Bruck at every larger size
+    measured (rows with algorithm, size, time_us); None if Bruck is faster at the largest size."""
+    times = {}
+    for r in rows:
+        times.setdefault(r["size"], {})[r["algorithm"]] = r["time_us"]
+    answer = None
+    for size in sorted(times, reverse=True):
+        if times[size].get("pairwise", float("inf")) < times[size].get("bruck", float("inf")):
+            answer = size
+        else:
+            break
+    return answer

@@ -50,11 +50,10 @@ def plan(experts: torch.Tensor, num_experts: int, limit: int | None = None, ahea
     k = experts.shape[1] if experts.dim() == 2 else 1
     counts = torch.bincount(flat, minlength=num_experts)
     order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, token order inside
-    if ahead is None:
-        ahead = torch.zeros(num_experts, dtype=torch.int64)
+    ahead = torch.zeros_like(counts) if ahead is None else torch.as_tensor(ahead).to(counts.device)
     kept = kept_counts(counts, ahead, limit)
     starts = torch.cumsum(counts, 0) - counts  # where each expert's group begins in ``order``
-    position = torch.arange(flat.numel()) - torch.repeat_interleave(starts, counts)  # place in its group
+    position = torch.arange(flat.numel(), device=flat.device) - torch.repeat_interleave(starts, counts)
     fits = position < torch.repeat_interleave(kept, counts)
     assignment = order[fits]
     return DispatchPlan(assignment, assignment // k, kept, counts - kept)

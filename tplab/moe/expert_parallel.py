@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -73,9 +72,11 @@ class ExpertParallelMoE(nn.Module):
         return range(self.bounds[self.comm.rank], self.bounds[self.comm.rank + 1])
 
     def _count_matrix(self, experts):
-        mine = torch.bincount(experts.reshape(-1), minlength=self.num_experts).numpy().astype(np.int64)
+        """(p, E) assignments per rank and expert, on the host: the sizes of every message to come. Gathered
+        where the tokens are (a ring all-gather of E int64 per rank, on the GPU for CUDA tensors)."""
+        mine = torch.bincount(experts.reshape(-1), minlength=self.num_experts).to(torch.int64)
         gathered = allgather(mine, self.comm, algorithm="ring", check=self.check)
-        return torch.from_numpy(np.asarray(gathered).reshape(self.comm.size, self.num_experts).copy())
+        return gathered.cpu().reshape(self.comm.size, self.num_experts)
 
     def _agree(self, x) -> None:
         """Bad input (a wrong hidden size or dtype on one rank) becomes the same error on every rank, before
@@ -111,7 +112,7 @@ class ExpertParallelMoE(nn.Module):
             received = exchange(x[plan.token], send, recv, self.comm, self.check)
         with self.span("experts"):
             mine = kept[:, b[r]:b[r + 1]]  # (p, local experts): rows from each source, per expert
-            order = self._by_expert(mine)
+            order = self._by_expert(mine).to(received.device)
             out = run_experts(self.experts, received[order], mine.sum(0))
             back = torch.empty_like(out).index_copy(0, order, out)  # in the order they arrived
         with self.span("combine", "comm"):
