@@ -40,6 +40,10 @@ def test_sharded_mixtral_gives_hugging_face_logits_and_tokens():
     agree(err < 1e-12, f"relative difference {err:.2e}")
     agree(same_on_every_rank(got.numpy().tobytes()), "ranks hold different logits")
     agree(type(sharded(tokens)).__name__ == type(hf(tokens)).__name__, "not HF's output type")
+    sp = parallelize(hf, C, sequence_parallel=True)  # each rank's slice of the sequence goes to the experts as is
+    with torch.no_grad():
+        err = float((sp(tokens[:, :4]).logits - hf(tokens[:, :4]).logits).abs().max() / expected.abs().max())
+    agree(err < 1e-12, f"sequence-parallel: relative difference {err:.2e}")
     prompt = tokens[:1, :4]
     want = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     have = sharded.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -20,7 +20,8 @@ Bytes on the wire per rank and layer, ρ = bytes of one token row (h · itemsize
 
 Exact against the unsplit layer (layer.py) forward and backward: expert weights get their own gradient on
 their owner; the router's (and a shared expert's) gradient is this rank's tokens' share -- summed over ranks
-it is the unsplit gradient (data parallelism all-reduces it before the optimizer step).
+it is the unsplit gradient (data parallelism all-reduces it before the optimizer step). Likewise
+``last["aux_loss"]`` (while training) is the auxiliary loss over this rank's tokens.
 """
 
 from __future__ import annotations
