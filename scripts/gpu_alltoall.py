@@ -170,7 +170,8 @@ def main():
                          "algbw": algbw, "busbw": algbw * (P - 1) / P, "path": path, "tokens": tokens,
                          "ranks": P, "card": card, "machine": described, "iters": args.iters,
                          "warmup": args.warmup, "date": stamp, "phase": phase})
-            say(f"{phase:8s} {x.nbytes:>11d} B  {path:24s} {seconds * 1e6:10.1f} us  busbw {algbw * (P - 1) / P:7.2f} GB/s")
+            say(f"{phase:8s} {x.nbytes:>11d} B  {path:24s} {seconds * 1e6:10.1f} us  "
+                f"busbw {algbw * (P - 1) / P:7.2f} GB/s")
     if RANK == 0:
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)

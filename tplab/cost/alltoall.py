@@ -24,7 +24,8 @@ from tplab.cost.formulas import CriticalPath, check_size, unknown
 ALGORITHMS = ("pairwise", "bruck")
 FORMULAS = {
     ("alltoall", "pairwise"): "(p-1)α + (p-1)/p·nβ",
-    ("alltoall", "bruck"): "⌈lg p⌉α + B(p)/p·nβ,  B(p) = Σ_k |{i < p : i & k}| (= p/2·lg p for p a power of two)",
+    ("alltoall", "bruck"): ("⌈lg p⌉α + B(p)/p·nβ,  B(p) = Σ_k |{i < p : i & k}| "
+                            "(= p/2·lg p for p a power of two)"),
 }
 
 

@@ -34,7 +34,8 @@ def _llama_like(hf_model, *, ffn: int, bias: bool) -> GPT:
     if head_dim * c.num_attention_heads != c.hidden_size:
         raise ValueError(f"head_dim {head_dim} x {c.num_attention_heads} heads != hidden_size {c.hidden_size}")
     window = getattr(c, "sliding_window", None)
-    if getattr(c, "use_sliding_window", window is not None) and window is not None and window < c.max_position_embeddings:
+    windowed = getattr(c, "use_sliding_window", window is not None) and window is not None
+    if windowed and window < c.max_position_embeddings:
         raise ValueError(f"sliding_window = {window}: tplab's attention has no sliding window")
     m = hf_model.model
     model = GPT(GPTConfig(

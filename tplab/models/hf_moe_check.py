@@ -37,6 +37,7 @@ def check_mixtral(comm=None, *, experts=5, new_tokens=8, seed=7) -> dict:
                        hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                    pad_token_id=0))
     bounds = sharded.gpt.blocks[0].mlp.ep.bounds
-    return {"ranks": p, "experts": experts, "experts_per_rank": "/".join(str(bounds[j + 1] - bounds[j]) for j in range(p)),
+    return {"ranks": p, "experts": experts,
+            "experts_per_rank": "/".join(str(bounds[j + 1] - bounds[j]) for j in range(p)),
             "max_rel_logit_error": max(comm.allgather_object(error)),
             "greedy_tokens_equal_hf": all(comm.allgather_object(same))}

@@ -58,7 +58,8 @@ def check_splittable(config: GPTConfig, tp: int, dense_mlp: bool = True) -> None
         heads_per_rank(config.n_head, config.kv_heads, tp)
     except ValueError as e:
         problems.append(str(e))
-    for what, size in [("vocabulary size", config.vocab_size)] + [("MLP hidden size (ffn_size)", config.ffn)] * dense_mlp:
+    sizes = [("vocabulary size", config.vocab_size)] + [("MLP hidden size (ffn_size)", config.ffn)] * dense_mlp
+    for what, size in sizes:
         if size % tp:
             problems.append(f"{what} = {size} is not divisible by the tensor-parallel size {tp}")
     if problems:

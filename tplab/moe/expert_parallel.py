@@ -87,7 +87,8 @@ class ExpertParallelMoE(nn.Module):
         if x.shape[-1:] != (self.hidden,):
             problems.append(f"tokens of shape {tuple(x.shape)}: the last dimension must be hidden = {self.hidden}")
         if x.dtype != weight.dtype or x.device != weight.device:
-            problems.append(f"tokens are {x.dtype} on {x.device}, the layer's weights {weight.dtype} on {weight.device}")
+            problems.append(f"tokens are {x.dtype} on {x.device}, the layer's weights {weight.dtype} on "
+                            f"{weight.device}")
         message = self.comm.agree({"num_experts": self.num_experts, "top_k": self.top_k, "hidden": self.hidden,
                                    "problems": problems})
         if message:

@@ -40,7 +40,8 @@ def _experts_of(record, rank):
 
 def draw_tokens(record, ax):
     p = record["p"]
-    cells = [[("\n".join(f"t{t} → E{','.join(map(str, e))}" for t, e in zip(r["tokens"], r["chosen"])) or "-", r["rank"]),
+    choices = lambda r: "\n".join(f"t{t} → E{','.join(map(str, e))}" for t, e in zip(r["tokens"], r["chosen"]))
+    cells = [[(choices(r) or "-", r["rank"]),
               (", ".join(f"E{e}" for e in _experts_of(record, r["rank"])) or "none", None)] for r in record["ranks"]]
     _grid(ax, cells, [f"rank {r}" for r in range(p)], ["tokens → experts", "holds experts"],
           "before: tokens on their ranks")
@@ -56,7 +57,8 @@ def draw_steps(record, ax, phase: str = "dispatch"):
                 cells[r["rank"]][step].append((f"t{token}·E{expert}", source))
             else:  # the result goes back from r to ``source``: at combine step (source - r) mod p
                 cells[source][(source - r["rank"]) % p].append((f"t{token}·E{expert}", source))
-    grid = [[("\n".join(text for text, _ in cell) or "-", cell[0][1] if cell else None) for cell in row] for row in cells]
+    grid = [[("\n".join(text for text, _ in cell) or "-", cell[0][1] if cell else None) for cell in row]
+            for row in cells]
     arrow = "from" if phase == "dispatch" else "back from"
     _grid(ax, grid, [f"rank {r}" for r in range(p)],
           ["step 0 (kept)"] + [f"step {k}: {arrow} r−{k}" for k in range(1, p)], f"{phase}: rows received per step")

@@ -34,5 +34,5 @@ from tplab.lab.exercises.runner import (
 from tplab.lab.exercises.tuning import check_crossover, check_decision
 
 __all__ = ["Case", "ExerciseComm", "check_allreduce", "check_alltoall", "check_busiest_bytes", "check_column_parallel",
-           "check_crossover", "check_decision", "check_dispatch_order", "check_prediction", "check_reduce_scatter", "check_ring_time",
-           "check_row_parallel", "default_cases", "format_report", "passed", "run_cases", "run_local"]
+           "check_crossover", "check_decision", "check_dispatch_order", "check_prediction", "check_reduce_scatter",
+           "check_ring_time", "check_row_parallel", "default_cases", "format_report", "passed", "run_cases", "run_local"]
