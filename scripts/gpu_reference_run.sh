@@ -29,6 +29,9 @@
 #   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
 #   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
 #   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
+#   alltoall     tests/gpu/test_gpu_alltoall.py, then scripts/gpu_alltoall.py at p = 4: tplab's all-to-all
+#                (pairwise, Bruck) and all-to-all-v over NCCL point-to-point next to NCCL's all_to_all_single
+#                (mixture-of-experts dispatch/combine: decode and prefill sizes; notebook 09)
 set -u
 REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
 R=$(realpath -m "${1:-$REPOSITORY/build/gpu/reference}")
@@ -93,6 +96,9 @@ for s in ${STAGES:-train overlap collectives models sequence syncs}; do
     for p in $SCALING; do stage sequence_p$p 240 bash scripts/mpi_run.sh -n $p python3 scripts/gpu_sequence_parallel.py "$R/sequence"; done ;;
   syncs)
     stage syncs 200 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_fewer_syncs_comm.py "$R/syncs" ;;
+  alltoall)
+    stage tests_alltoall 150 bash scripts/mpi_run.sh TPLAB_UNDER_MPIEXEC=1 -n $NP python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_alltoall.py
+    stage alltoall 300 bash scripts/mpi_run.sh -n $NP python3 scripts/gpu_alltoall.py "$R/alltoall" ;;
   *)
     echo "unknown stage $s" >&2 ;;
   esac

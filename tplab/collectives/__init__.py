@@ -7,6 +7,10 @@
                                                             (ranks may contribute different lengths)
     broadcast(x, comm, root=0, algorithm="auto")         -> root's array on every rank
     reduce(x, comm, root=0, op="sum", algorithm="auto")  -> the reduction on root, None elsewhere
+    alltoall(x, comm, algorithm="pairwise")              -> (p, ...): out[j] is rank j's x[my rank]
+                                                            ("bruck": ⌈lg p⌉ messages, for small blocks)
+    alltoallv(x, send_counts, comm, recv_counts=None)    -> the rows every rank sent me, in rank order
+                                                            (variable counts: mixture-of-experts dispatch)
 
 Each takes numpy arrays (any shape, contiguous or not), CuPy arrays or torch tensors (CPU, or CUDA with
 bfloat16 too), leaves ``x`` unchanged and returns a new array of the same kind. GPU data stay on the GPU
@@ -32,7 +36,8 @@ import contextlib
 import numpy as np
 
 from tplab.collectives import auto, snapshots
-from tplab.collectives.alltoall import alltoall  # pairwise exchange (sequence parallelism: Ulysses)
+from tplab.collectives.alltoall import alltoall  # pairwise or Bruck (sequence parallelism: Ulysses; MoE)
+from tplab.collectives.alltoallv import alltoallv  # variable counts per destination (MoE dispatch, combine)
 from tplab.collectives.binomial import binomial_broadcast, binomial_reduce, tree_allreduce
 from tplab.collectives.checks import agree_on_arguments
 from tplab.comm.base import CollectiveArgumentError, Unsupported
@@ -328,6 +333,7 @@ __all__ = [
     "CollectiveArgumentError",
     "allgather",
     "alltoall",
+    "alltoallv",
     "allreduce",
     "broadcast",
     "reduce",

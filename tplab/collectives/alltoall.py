@@ -15,6 +15,9 @@ This is what MPICH and Open MPI run for large all-to-alls (MPICH "pairwise excha
 they use partner r XOR k, which meets each pair once as well). DeepSpeed Ulysses uses four of these per
 attention layer to turn sequence-sharded Q, K, V into head-sharded ones and back (tplab/sequence/ulysses.py).
 
+``algorithm="bruck"`` runs Bruck's algorithm instead (bruck.py): ⌈lg p⌉ messages, more bytes, for small
+blocks. Variable counts per destination: alltoallv.py.
+
 Buffers pass through as they are: numpy arrays, CPU torch tensors, or whatever the Communicator's
 ``sendrecv`` accepts (GPU tensors on a GPU transport); the output is of the input's kind.
 """
@@ -23,7 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from tplab.collectives.bruck import bruck_alltoall
 from tplab.collectives.checks import CollectiveArgumentError
+
+ALGORITHMS = ("pairwise", "bruck")
 
 
 def _empty_like(x):
@@ -40,27 +46,32 @@ def _contiguous(x):
     return np.ascontiguousarray(x)
 
 
-def _check(x, comm) -> None:
-    """Every rank passes p blocks of one shape and dtype; otherwise the same error on every rank."""
-    everyone = comm.allgather_object((tuple(x.shape), str(x.dtype)))
+def _check(x, comm, algorithm) -> None:
+    """Every rank passes p blocks of one shape and dtype, and names one algorithm; otherwise the same error
+    on every rank."""
+    everyone = comm.allgather_object((tuple(x.shape), str(x.dtype), algorithm))
     problems = [f"rank {r} passed shape {shape}: the first dimension must be the number of ranks "
                 f"{comm.size} (one block per destination)"
-                for r, (shape, _) in enumerate(everyone) if len(shape) == 0 or shape[0] != comm.size]
+                for r, (shape, _, _) in enumerate(everyone) if len(shape) == 0 or shape[0] != comm.size]
     if len(set(everyone)) > 1:
         listed = ", ".join(f"rank {r} {m}" for r, m in enumerate(everyone))
-        problems.append(f"ranks disagree on (shape, dtype): {listed}")
+        problems.append(f"ranks disagree on (shape, dtype, algorithm): {listed}")
     if problems:
         raise CollectiveArgumentError("alltoall: " + "; ".join(problems))
 
 
-def alltoall(x, comm, *, check: bool = True):
+def alltoall(x, comm, *, algorithm: str = "pairwise", check: bool = True):
     """x: (p, ...) with x[j] for rank j  ->  out: (p, ...) with out[j] from rank j."""
     if check:
-        _check(x, comm)
-    elif x.shape[0] != comm.size:
+        _check(x, comm, algorithm)
+    if algorithm not in ALGORITHMS:  # (after the agreement: then every rank raises it)
+        raise CollectiveArgumentError(f"alltoall: unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+    if not check and x.shape[0] != comm.size:
         raise CollectiveArgumentError(f"alltoall: first dimension {x.shape[0]} != number of ranks {comm.size}")
     p, r = comm.size, comm.rank
     x = _contiguous(x)
+    if algorithm == "bruck":
+        return bruck_alltoall(x, comm)
     out = _empty_like(x)
     out[r] = x[r]  # my own block stays here (a local copy, not a message)
     for step in range(1, p):

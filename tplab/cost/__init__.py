@@ -6,6 +6,8 @@
                        link; the hierarchical allreduce
     traffic.py         traffic(collective, algorithm, p, n): messages and bytes, busiest rank and total
                        (checked exactly against the Communicator's counters in tests/mpi/test_traffic.py)
+    alltoall.py        all-to-all, pairwise exchange vs Bruck: predict("alltoall", "bruck", p, n, m),
+                       alltoall_traffic, crossover_bytes (below it Bruck's fewer messages win)
     fit.py             fit_on(comm): α, β, γ (and tplab's entry cost) measured on the machine at hand;
                        fit_on_timings(rows): the same five numbers fitted to collective timings;
                        compare(rows, machine): predicted next to measured
@@ -21,6 +23,7 @@ allgather, the gathered total; broadcast and reduce, the message. p = ranks; tim
     formula_text("allreduce", "ring")                  # '2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ'
 """
 
+from tplab.cost.alltoall import alltoall_traffic, crossover_bytes
 from tplab.cost.fit import (
     compare,
     fit_machine,
@@ -45,11 +48,13 @@ __all__ = [
     "Machine",
     "TwoLevelMachine",
     "allreduce_traffic",
+    "alltoall_traffic",
     "attention_bytes",
     "attention_messages",
     "causal_work",
     "compare",
     "critical_path",
+    "crossover_bytes",
     "fit_machine",
     "fit_on",
     "fit_on_timings",

@@ -25,6 +25,9 @@ COLORS = {
     "auto": "tab:red", "tplab.allreduce": "tab:red", "persistent kernel": "tab:pink",
     "peer_one_shot": "tab:cyan", "one_shot": "tab:cyan", "peer_two_shot": "tab:olive", "two_shot": "tab:olive",
     "peer_ring": "tab:orange", "copy_engine": "tab:brown",
+    # all-to-all (notebook 09): pairwise exchange walks the ranks like the ring, Bruck halves like doubling
+    "pairwise": "tab:orange", "bruck": "tab:blue", "tplab_pairwise": "tab:orange", "tplab_bruck": "tab:blue",
+    "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black",
 }
 _SPARE = ["#1f77b4", "#8c564b", "#17becf", "#bcbd22", "#9467bd", "#e377c2", "#7f7f7f", "#2ca02c", "#d62728"]
 

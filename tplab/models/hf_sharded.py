@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    CausalLMOutputWithCrossAttentions,
+    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+)
 
 from tplab.models.gpt import generate as greedy_generate
 from tplab.models.hf_greedy import greedy_settings
 
 
 # The output type each Hugging Face model's forward returns (only .logits is filled in here)
-OUTPUT_TYPES = {"GPT2LMHeadModel": CausalLMOutputWithCrossAttentions, "LlamaForCausalLM": CausalLMOutputWithPast}
+OUTPUT_TYPES = {"GPT2LMHeadModel": CausalLMOutputWithCrossAttentions, "LlamaForCausalLM": CausalLMOutputWithPast,
+                "MixtralForCausalLM": MoeCausalLMOutputWithPast, "Qwen2MoeForCausalLM": MoeCausalLMOutputWithPast}
 
 
 class ShardedCausalLM(nn.Module):

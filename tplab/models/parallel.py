@@ -7,6 +7,8 @@ What is split (Megatron's recipe): the token embedding by vocabulary rows (Vocab
 block's attention by heads and its MLP by hidden columns, the LM head by vocabulary (logits gathered).
 Replicated: position embeddings and the norms (cheap, and they need whole rows). Hugging Face's
 GPT2LMHeadModel and LlamaForCausalLM are converted to tplab's GPT first (hf.py), then split the same way,
+MixtralForCausalLM and Qwen2MoeForCausalLM too (hf_moe.py: their mixture-of-experts layers split by experts,
+tplab.moe),
 and answer as Hugging Face models do (hf_sharded.py): ``sharded(ids).logits``, ``sharded.generate(...)``.
 
 Collectives per forward pass, L blocks:
@@ -45,16 +47,19 @@ from tplab.layers.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from tplab.models.gpt import GPT, Block, GPTConfig
+from tplab.moe import ExpertParallelMoE, MoE, ReplicatedTokensMoE
 
 
-def check_splittable(config: GPTConfig, tp: int) -> None:
-    """A clear error, naming every dimension at fault, when the model cannot be split over ``tp`` ranks."""
+def check_splittable(config: GPTConfig, tp: int, dense_mlp: bool = True) -> None:
+    """A clear error, naming every dimension at fault, when the model cannot be split over ``tp`` ranks.
+    ``dense_mlp=False``: the feed-forward layers are mixtures of experts, split by experts (any number)."""
     problems = []
     try:
         heads_per_rank(config.n_head, config.kv_heads, tp)
     except ValueError as e:
         problems.append(str(e))
-    for what, size in [("vocabulary size", config.vocab_size), ("MLP hidden size (ffn_size)", config.ffn)]:
+    sizes = [("vocabulary size", config.vocab_size)] + [("MLP hidden size (ffn_size)", config.ffn)] * dense_mlp
+    for what, size in sizes:
         if size % tp:
             problems.append(f"{what} = {size} is not divisible by the tensor-parallel size {tp}")
     if problems:
@@ -69,8 +74,12 @@ class ParallelBlock(nn.Module):
         self.attention = ParallelAttention.from_dense(
             a.q_proj, a.k_proj, a.v_proj, a.o_proj, a.n_head, comm, num_kv_heads=a.n_kv_head, algorithm=algorithm,
             rotary=copy.deepcopy(a.rotary), sequence_parallel=sequence_parallel)
-        self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
-                                          algorithm=algorithm, sequence_parallel=sequence_parallel)
+        if isinstance(m, MoE):  # a mixture of experts: expert-parallel, on each rank's slice of the tokens
+            self.mlp = ReplicatedTokensMoE(ExpertParallelMoE.from_dense(m, comm), comm,
+                                           sequence_parallel=sequence_parallel)
+        else:
+            self.mlp = ParallelMLP.from_dense(m.up, m.down, comm, gate=m.gate, activation=m.activation,
+                                              algorithm=algorithm, sequence_parallel=sequence_parallel)
 
     def forward(self, x, cache=None, mask=None):  # x: (b, s, h) replicated, or (s/p, b, h) under sequence
         # parallelism; mask: an extra attention mask over the whole sequence (attend)
@@ -134,7 +143,7 @@ class ParallelGPT(nn.Module):
         return x
 
 
-HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM")
+HUGGING_FACE_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def as_tplab_gpt(model) -> GPT:
@@ -148,8 +157,17 @@ def as_tplab_gpt(model) -> GPT:
         from tplab.models.hf import from_hf_llama
 
         return from_hf_llama(model)
+    if name == "MixtralForCausalLM":  # attention by heads (TP), the experts over the ranks (EP)
+        from tplab.models.hf_moe import from_hf_mixtral
+
+        return from_hf_mixtral(model)
+    if name == "Qwen2MoeForCausalLM":
+        from tplab.models.hf_moe import from_hf_qwen2_moe
+
+        return from_hf_qwen2_moe(model)
     if not isinstance(model, GPT):
-        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel and LlamaForCausalLM; "
+        raise TypeError(f"parallelize knows tplab's GPT and Hugging Face's GPT2LMHeadModel, LlamaForCausalLM, "
+                        f"MixtralForCausalLM and Qwen2MoeForCausalLM; "
                         f"got {name}")
     return model
 
@@ -163,7 +181,7 @@ def parallelize(model, comm, sequence_parallel: bool = False, algorithm="auto"):
     that answers as the Hugging Face model does: ``sharded(ids).logits`` and ``sharded.generate(ids,
     max_new_tokens=k, do_sample=False)`` (greedy only), with the ParallelGPT inside as ``sharded.gpt``."""
     gpt = as_tplab_gpt(model)
-    check_splittable(gpt.config, comm.size)
+    check_splittable(gpt.config, comm.size, dense_mlp=not all(isinstance(b.mlp, MoE) for b in gpt.blocks))
     sharded = ParallelGPT(gpt, comm, algorithm, sequence_parallel=sequence_parallel)
     if type(model).__name__ in HUGGING_FACE_MODELS:
         from tplab.models.hf_sharded import ShardedCausalLM  # (imports transformers: only for its models)

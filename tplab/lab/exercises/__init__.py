@@ -7,6 +7,7 @@
     costs.py       02: check_ring_time, check_busiest_bytes
     tuning.py      03: check_crossover, check_decision
     megatron.py    04: check_column_parallel, check_row_parallel
+    moe.py         09: check_dispatch_order, check_alltoall
     solutions.py   one solution to each (the notebooks run them only when asked)
 
 A checker of an exercise with communication is called on every rank (``cluster.run(check_allreduce, fn)``)
@@ -20,6 +21,7 @@ from tplab.lab.exercises.allreduce import (
 )
 from tplab.lab.exercises.costs import check_busiest_bytes, check_ring_time
 from tplab.lab.exercises.megatron import check_column_parallel, check_row_parallel
+from tplab.lab.exercises.moe import check_alltoall, check_dispatch_order
 from tplab.lab.exercises.predict import check_prediction
 from tplab.lab.exercises.runner import (
            Case,
@@ -31,6 +33,6 @@ from tplab.lab.exercises.runner import (
 )
 from tplab.lab.exercises.tuning import check_crossover, check_decision
 
-__all__ = ["Case", "ExerciseComm", "check_allreduce", "check_busiest_bytes", "check_column_parallel",
-           "check_crossover", "check_decision", "check_prediction", "check_reduce_scatter", "check_ring_time",
-           "check_row_parallel", "default_cases", "format_report", "passed", "run_cases", "run_local"]
+__all__ = ["Case", "ExerciseComm", "check_allreduce", "check_alltoall", "check_busiest_bytes", "check_column_parallel",
+           "check_crossover", "check_decision", "check_dispatch_order", "check_prediction", "check_reduce_scatter",
+           "check_ring_time", "check_row_parallel", "default_cases", "format_report", "passed", "run_cases", "run_local"]

@@ -1,10 +1,11 @@
-"""One solution to each exercise of notebooks 01-04 (try first!). A notebook runs them only with
+"""One solution to each exercise of notebooks 01-04 and 09 (try first!). A notebook runs them only with
 ``show_solutions = True``; the tests check that every one passes its checker.
 
     01  ring_allreduce, ring_reduce_scatter
     02  ring_allreduce_time, busiest_rank_bytes
     03  crossover, decide
     04  column_parallel_forward, row_parallel_forward
+    09  dispatch_order, pairwise_alltoall
 """
 
 from __future__ import annotations
@@ -98,3 +99,22 @@ def row_parallel_forward(x, weight, bias, comm):
     from tplab.layers.mappings import reduce_from_tensor_parallel_region
 
     return reduce_from_tensor_parallel_region(x @ weight.T, comm) + bias
+
+
+# ---- 09: mixture of experts ---------------------------------------------------------------------------------------
+def dispatch_order(experts, num_experts):
+    """A stable sort of the flattened assignments by expert keeps token order inside each expert."""
+    import torch
+
+    flat = experts.reshape(-1)
+    return torch.sort(flat, stable=True).indices, torch.bincount(flat, minlength=num_experts)
+
+
+def pairwise_alltoall(x, comm):
+    """Step k sends my block for rank r+k and receives rank r-k's block for me: each pair meets once."""
+    p, r = comm.size, comm.rank
+    out = np.empty_like(x)
+    out[r] = x[r]
+    for k in range(1, p):
+        comm.sendrecv(np.ascontiguousarray(x[(r + k) % p]), (r + k) % p, out[(r - k) % p], (r - k) % p)
+    return out
