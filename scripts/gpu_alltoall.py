@@ -20,6 +20,8 @@ A mixture-of-experts layer does two all-to-alls (dispatch, combine): while decod
        tplab_pairwise           p-1 steps, one sendrecv each (NCCL send/recv)
        tplab_bruck              ⌈lg p⌉ steps, packed blocks
        tplab_alltoallv          pairwise with counts (equal here), empty blocks skipped
+       tplab_peer_memory        one kernel: each rank writes each destination's block into that peer's
+                                buffer over NVLink (tplab.gpu_collectives.peer_alltoall; GPUs only)
    -> OUT_DIR/gpu_alltoall_<p>x-<card>.csv, the machine (GPU, NCCL, torch) in every row.
 """
 
@@ -83,7 +85,7 @@ def counts_matrix(seed: int, largest: int) -> np.ndarray:
     return m
 
 
-def correctness(comm, device, hidden: int) -> list[str]:
+def correctness(comm, device, hidden: int, peers=None) -> list[str]:
     failures = []
     for dtype in (torch.bfloat16, torch.float32):
         gen = torch.Generator().manual_seed(RANK)
@@ -94,6 +96,8 @@ def correctness(comm, device, hidden: int) -> list[str]:
                 got = alltoall(x, comm, algorithm=algorithm)
                 if not torch.equal(got, want):
                     failures.append(f"alltoall {algorithm} {dtype} {tokens} tokens")
+            if peers is not None and not torch.equal(through_peer_memory(peers, x), want):
+                failures.append(f"alltoall through peer memory {dtype} {tokens} tokens")
         for seed, largest in ((1, 0), (2, 1), (3, 5), (4, 300)):
             m = counts_matrix(seed, largest)
             send, recv = [int(c) for c in m[RANK]], [int(c) for c in m[:, RANK]]
@@ -104,13 +108,25 @@ def correctness(comm, device, hidden: int) -> list[str]:
     return [f"rank {r}: {f}" for r, fs in enumerate(everyone) for f in fs]
 
 
-def paths(comm):
-    return {
+def paths(comm, peers=None):
+    chosen = {
         "nccl_all_to_all_single": lambda x, c: vendor(x.reshape(-1, x.shape[-1])),
         "tplab_pairwise": lambda x, c: alltoall(x, comm, algorithm="pairwise", check=False),
         "tplab_bruck": lambda x, c: alltoall(x, comm, algorithm="bruck", check=False),
         "tplab_alltoallv": lambda x, c: alltoallv(x.reshape(-1, x.shape[-1]), c, comm, c, check=False),
     }
+    if peers is not None:
+        chosen["tplab_peer_memory"] = lambda x, c: through_peer_memory(peers, x, check=False)
+    return chosen
+
+
+def through_peer_memory(peers, x, check=True):
+    """tplab.gpu_collectives.peer_alltoall on a torch tensor (CuPy views both ways, no copies)."""
+    import cupy
+
+    from tplab.gpu_collectives.peer_alltoall import peer_alltoall
+
+    return torch.from_dlpack(peer_alltoall(peers, cupy.from_dlpack(x.contiguous()), check=check))
 
 
 def parse_bytes(text: str) -> int:
@@ -141,11 +157,16 @@ def main():
     comm, device = setup(args.device)
     card, described = machine(device)
     say(f"p = {P}: {described}")
-    failures = correctness(comm, device, min(args.hidden, 256))
+    peers = None
+    if device.type == "cuda":  # shared buffers for the peer-memory path: p blocks of the largest input's share
+        from tplab.gpu_collectives.peer_memory import PeerMemory
+
+        peers = PeerMemory(COMM, args.max_bytes + (1 << 20))
+    failures = correctness(comm, device, min(args.hidden, 256), peers)
     if failures:
         say("correctness FAILED, nothing timed:\n  " + "\n  ".join(failures[:20]))
         raise SystemExit(1)
-    say("correctness: tplab's all-to-all (pairwise, bruck) and all-to-all-v equal all_to_all_single bitwise")
+    say("correctness: tplab's all-to-all (pairwise, bruck, peer memory) and all-to-all-v equal all_to_all_single bitwise")
 
     decode = [(t, "decode") for t in (1, 2, 4, 8, 16, 32, 64)]
     per_token = args.hidden * 2  # bf16
@@ -161,7 +182,7 @@ def main():
         x = torch.randn(P, tokens, args.hidden, generator=torch.Generator().manual_seed(RANK)).to(torch.bfloat16)
         x = x.to(device)
         counts = [tokens] * P
-        for path, fn in paths(comm).items():
+        for path, fn in paths(comm, peers).items():
             times = time_calls(lambda: fn(x, counts), iters=args.iters, warmup=args.warmup, barrier=COMM.Barrier,
                                cuda=cuda)
             seconds = slowest_median(times, host)

@@ -54,3 +54,52 @@ def test_expert_parallel_layer_on_gpus():
         want, got = moe(x)[RANK * 6:(RANK + 1) * 6], ep(x[RANK * 6:(RANK + 1) * 6])
     err = float((got - want).abs().max())
     agree(err < 1e-5, f"expert-parallel on GPUs differs from the unsplit layer by {err:.1e}")
+
+
+PEERS = None
+
+
+def peers():
+    global PEERS
+    if PEERS is None:
+        from tplab.gpu_collectives.peer_memory import PeerMemory
+
+        PEERS = PeerMemory(COMM, 1 << 20)
+    return PEERS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int16", "uint8"])
+@pytest.mark.parametrize("block", [0, 1, 3, 4, 1000, 4096])
+def test_peer_memory_alltoall_equals_mpi(dtype, block):
+    """Each rank writes each destination's block into that peer's buffer: bitwise MPI_Alltoall, odd block sizes
+    (padded to whole 16-byte packs) included."""
+    import cupy
+
+    from tplab.gpu_collectives.peer_alltoall import peer_alltoall
+
+    x = ((np.arange(P * block) * 7 + 1000 * RANK) % 251).astype(dtype)
+    want = np.empty_like(x)
+    COMM.Alltoall(x, want)
+    with cupy.cuda.Device(NCCL.device):
+        got = peer_alltoall(peers(), cupy.asarray(x)).get()
+    agree(np.array_equal(got, want), f"peer all-to-all {dtype} block {block}: differs from MPI_Alltoall")
+
+
+def test_peer_memory_alltoall_mismatched_sizes_raise_on_every_rank():
+    import cupy
+
+    from tplab.collectives import CollectiveArgumentError
+    from tplab.gpu_collectives.peer_alltoall import peer_alltoall
+
+    n = P * (8 if RANK == 0 else 16)
+    with cupy.cuda.Device(NCCL.device):
+        try:
+            peer_alltoall(peers(), cupy.zeros(n, cupy.float32))
+            raised = ""
+        except CollectiveArgumentError as e:
+            raised = str(e)
+    agree(bool(raised), "mismatched all-to-all sizes must raise on every rank")
+    with cupy.cuda.Device(NCCL.device):  # and the peer memory works on afterwards
+        x = cupy.full(P * 4, RANK, cupy.float32)
+        got = peer_alltoall(peers(), x).get()
+    agree(np.array_equal(got, np.repeat(np.arange(P, dtype=np.float32), 4)), "peer all-to-all after a refusal")
