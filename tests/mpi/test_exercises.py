@@ -219,7 +219,7 @@ def test_attention_typical_mistakes():
                 (bottom_right, "causal mask aligned to the last rank (bottom right)"),
                 (queries_too, "did the queries travel too?")]
     for attempt, hint in expected:
-        report = check_allgather_attention(attempt, progress=False)
+        report = check_allgather_attention(attempt, progress=False, stop_at_first_failure=True)
         agree(not report[0]["ok"] and hint in report[0]["problem"], format_report(report))
 
 
@@ -248,7 +248,7 @@ def test_overlapped_mlp_typical_mistakes():
     expected = [(blocking, "no nonblocking all-reduce was started"), (waits_at_once, "nothing overlapped"),
                 (bias_in_every_rank, "b2 was added p times")]
     for attempt, hint in expected:
-        report = check_overlapped_mlp(attempt, progress=False)
+        report = check_overlapped_mlp(attempt, progress=False, stop_at_first_failure=True)
         agree(any(hint in r["problem"] for r in report), format_report(report))
 
 
@@ -269,5 +269,5 @@ def test_parallel_run_typical_mistakes():
 
     expected = [(streams_summed, "x counted p times"), (sync_every_block, "you summed after every block")]
     for attempt, hint in expected:
-        report = check_parallel_run(attempt, progress=False)
+        report = check_parallel_run(attempt, progress=False, stop_at_first_failure=True)
         agree(any(hint in r["problem"] for r in report), format_report(report))

@@ -100,7 +100,7 @@ def _diagnose_run(got, case, p):
     return None
 
 
-def check_parallel_run(fn, comm=None, *, timeout: float = 5.0, progress=True):
+def check_parallel_run(fn, comm=None, *, timeout: float = 5.0, progress=True, stop_at_first_failure=False):
     """``fn(x, blocks, comm)``: x (tokens, h) float64, the same on every rank; ``blocks`` this rank's blocks,
     functions z -> increment. Each rank runs its own stream x_r through them (z <- z + block(z)); return
     y = x + Σ_r (x_r - x), summed with one ring all-reduce. Call it on every rank."""
@@ -130,4 +130,4 @@ def check_parallel_run(fn, comm=None, *, timeout: float = 5.0, progress=True):
         return y
 
     return run_cases(run, cases, _diagnose_run, comm=base, timeout=timeout, bitwise=True,
-                     title="parallel run: ", progress=progress)
+                     title="parallel run: ", progress=progress, stop_at_first_failure=stop_at_first_failure)

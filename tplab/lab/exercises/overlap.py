@@ -111,7 +111,7 @@ def _mlp_tensors(tokens, hidden, ffn, seed):
             for shape in [(tokens, hidden), (ffn, hidden), (ffn,), (hidden, ffn), (hidden,)]]
 
 
-def check_overlapped_mlp(fn, comm=None, *, timeout: float = 5.0, progress=True):
+def check_overlapped_mlp(fn, comm=None, *, timeout: float = 5.0, progress=True, stop_at_first_failure=False):
     """``fn(x, w1, b1, w2, b2, chunks, comm)``: x (tokens, h) the same on every rank; w1 (f/p, h) and b1 (f/p,)
     this rank's rows of the first layer, w2 (h, f/p) the matching columns of the second, b2 (h,) whole.
     Must return Y (tokens, h) on every rank, the tokens cut into ``chunks`` (``chunk_bounds``), each chunk's
@@ -147,7 +147,7 @@ def check_overlapped_mlp(fn, comm=None, *, timeout: float = 5.0, progress=True):
         return y, events, c.bytes_sent, c.messages_sent
 
     return run_cases(run, cases, _diagnose_mlp, comm=base, timeout=timeout, title="overlapped MLP: ",
-                     progress=progress)
+                     progress=progress, stop_at_first_failure=stop_at_first_failure)
 
 
 # ---- the pipeline model -----------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def _diagnose_attention(got, case, p):
     return None
 
 
-def check_allgather_attention(fn, comm=None, *, timeout: float = 5.0, progress=True):
+def check_allgather_attention(fn, comm=None, *, timeout: float = 5.0, progress=True, stop_at_first_failure=False):
     """``fn(q, k, v, causal, comm)``: q, k, v (batch, heads, s/p, d) this rank's tokens (contiguous layout),
     float64. Must return this rank's rows of attention over the whole sequence, (batch, heads, s/p, d),
     having sent 2 (p-1) · k.nbytes bytes (the ring all-gathers of K and V). Call it on every rank."""
@@ -110,7 +110,7 @@ def check_allgather_attention(fn, comm=None, *, timeout: float = 5.0, progress=T
         return out, c.bytes_sent, c.messages_sent
 
     return run_cases(run, cases, _diagnose_attention, comm=base, timeout=timeout, title="all-gather attention: ",
-                     progress=progress, same_result=False)
+                     progress=progress, same_result=False, stop_at_first_failure=stop_at_first_failure)
 
 
 # ---- zig-zag positions ------------------------------------------------------------------------------------------
