@@ -11,8 +11,11 @@ import pytest
 from mpitest import COMM, agree
 
 from tplab.lab.exercises import (
+    check_allgather_attention,
     check_allreduce,
     check_column_parallel,
+    check_overlapped_mlp,
+    check_parallel_run,
     check_reduce_scatter,
     check_row_parallel,
     format_report,
@@ -65,7 +68,10 @@ def test_solutions_pass():
     reports = [check_allreduce(ring_allreduce, cases=CASES, algorithm="ring", progress=False),
                check_reduce_scatter(solutions.ring_reduce_scatter, cases=CASES, progress=False),
                check_column_parallel(solutions.column_parallel_forward, progress=False),
-               check_row_parallel(solutions.row_parallel_forward, progress=False)]
+               check_row_parallel(solutions.row_parallel_forward, progress=False),
+               check_allgather_attention(solutions.allgather_attention, progress=False),
+               check_overlapped_mlp(solutions.overlapped_mlp, progress=False),
+               check_parallel_run(solutions.parallel_run, progress=False)]
     agree(all(passed(r) for r in reports), "\n".join(format_report(r) for r in reports))
 
 
@@ -185,3 +191,83 @@ def test_megatron_typical_mistakes():
     for checker, attempt, hint in expected:
         report = checker(attempt, progress=False)
         agree(not report[0]["ok"] and hint in report[0]["problem"], format_report(report))
+
+
+def gathered(t, comm):
+    """(b, n, s/p, d) on every rank -> (b, n, s, d), with the ring all-gather."""
+    import tplab
+
+    flat = tplab.allgather(t.movedim(2, 0).contiguous(), comm, algorithm="ring")
+    return flat.reshape(comm.size * t.shape[2], t.shape[0], t.shape[1], t.shape[3]).movedim(0, 2)
+
+
+@pytest.mark.skipif(P < 2, reason="one rank holds every key")
+def test_attention_typical_mistakes():
+    from tplab.layers.attend import attend
+
+    def own_keys(q, k, v, causal, comm):
+        return attend(q, k, v, causal=causal)
+
+    def bottom_right(q, k, v, causal, comm):
+        return attend(q, gathered(k, comm), gathered(v, comm), causal=causal)
+
+    def queries_too(q, k, v, causal, comm):
+        gathered(q, comm)
+        return solutions.allgather_attention(q, k, v, causal, comm)
+
+    expected = [(own_keys, "you attended to your own tokens' keys only"),
+                (bottom_right, "causal mask aligned to the last rank (bottom right)"),
+                (queries_too, "did the queries travel too?")]
+    for attempt, hint in expected:
+        report = check_allgather_attention(attempt, progress=False, stop_at_first_failure=True)
+        agree(not report[0]["ok"] and hint in report[0]["problem"], format_report(report))
+
+
+@pytest.mark.skipif(P < 2, reason="nothing to reduce on one rank")
+def test_overlapped_mlp_typical_mistakes():
+    import torch
+
+    import tplab
+    from tplab.overlap import iallreduce
+    from tplab.overlap.pipeline import chunk_bounds
+
+    def chunks_of(x, w1, b1, w2, k):
+        for start, end in chunk_bounds(x.shape[0], k):
+            yield torch.nn.functional.gelu(x[start:end] @ w1.T + b1) @ w2.T
+
+    def blocking(x, w1, b1, w2, b2, k, comm):
+        return torch.cat([tplab.allreduce(c, comm, algorithm="ring") for c in chunks_of(x, w1, b1, w2, k)]) + b2
+
+    def waits_at_once(x, w1, b1, w2, b2, k, comm):
+        return torch.cat([iallreduce(c, comm, algorithm="ring").wait() for c in chunks_of(x, w1, b1, w2, k)]) + b2
+
+    def bias_in_every_rank(x, w1, b1, w2, b2, k, comm):
+        handles = [iallreduce(c + b2, comm, algorithm="ring") for c in chunks_of(x, w1, b1, w2, k)]
+        return torch.cat([h.wait() for h in handles])
+
+    expected = [(blocking, "no nonblocking all-reduce was started"), (waits_at_once, "nothing overlapped"),
+                (bias_in_every_rank, "b2 was added p times")]
+    for attempt, hint in expected:
+        report = check_overlapped_mlp(attempt, progress=False, stop_at_first_failure=True)
+        agree(any(hint in r["problem"] for r in report), format_report(report))
+
+
+@pytest.mark.skipif(P < 2, reason="one rank: nothing to add up")
+def test_parallel_run_typical_mistakes():
+    import tplab
+
+    def streams_summed(x, blocks, comm):
+        mine = x.copy()
+        for block in blocks:
+            mine = mine + block(mine)
+        return tplab.allreduce(mine, comm, algorithm="ring")
+
+    def sync_every_block(x, blocks, comm):
+        for block in blocks:
+            x = x + tplab.allreduce(block(x), comm, algorithm="ring")
+        return x
+
+    expected = [(streams_summed, "x counted p times"), (sync_every_block, "you summed after every block")]
+    for attempt, hint in expected:
+        report = check_parallel_run(attempt, progress=False, stop_at_first_failure=True)
+        agree(any(hint in r["problem"] for r in report), format_report(report))

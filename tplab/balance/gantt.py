@@ -45,7 +45,7 @@ def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=N
         wide = 0.03 * (work["end"].max() - work["start"].min())
         for row in work[(work["end"] - work["start"]) > wide].itertuples(index=False):
             r = row._asdict()
-            ax.text((r["start"] + r["end"]) / 2, y_of[r[lane]], str(r[label]), ha="center", va="center", fontsize=7)
+            ax.text((r["start"] + r["end"]) / 2, y_of[r[lane]], str(r[label]), ha="center", va="center", fontsize=8)
     if makespan and len(work):
         ax.axvline(work["end"].max(), color="black", ls="--", lw=0.8)
     ax.set_yticks(np.arange(len(lanes)), [f"{lane} {n}" for n in lanes])
@@ -55,7 +55,7 @@ def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=N
     if title:
         ax.set_title(title)
     if legend and len(waits):
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=8, loc="upper right")
     return fig
 
 

@@ -68,7 +68,7 @@ def plot_comm_time(timed, ax=None, title=None):
     ax.set_xticks(x, [f"{c}\n{s} sync{'' if s == 1 else 's'} per forward" for c, s in zip(timed["config"], timed["syncs_forward"])])
     ax.set(ylabel="ms (slowest rank, median)", title=title or timed["network"].iloc[0])
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     return ax
 
 
@@ -85,5 +85,5 @@ def plot_time_per_sync(timed, ax=None):
     ax.set(xlabel="all-reduces per forward pass", ylabel="ms inside them (slowest rank)",
            title="time inside all-reduces against their number")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     return ax

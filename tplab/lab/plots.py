@@ -121,13 +121,13 @@ def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 8)
         for r, b in enumerate(bufs):
             for e, mask in enumerate(b):
                 full = bin(mask).count("1") == p
-                ax.text(e, r, _contributors(mask, p), ha="center", va="center", fontsize=7,
+                ax.text(e, r, _contributors(mask, p), ha="center", va="center", fontsize=8,
                         color="white" if full else "black", fontweight="bold" if full else "normal")
         ax.set_title(label, fontsize=8)
         ax.set_xticks(range(count))
         ax.set_xticklabels([])
         ax.set_yticks(range(p))
-        ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=7)
+        ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=8)
         ax.tick_params(length=0)
         ax.axis("on")
         for spine in ax.spines.values():
@@ -201,7 +201,7 @@ def plot_timeline(df, title=None, ax=None, colors=None):
         ax.barh(y, (group["end"] - group["start"]) * 1e3, left=group["start"] * 1e3, height=0.7,
                 color=colors.get(kind, "tab:gray"), edgecolor="black", linewidth=0.3, label=kind)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows], fontsize=7)
+    ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.grid(True, axis="x", alpha=0.3)
@@ -230,7 +230,7 @@ def plot_overlap_sweep(df, title=None, axes=None):
         left.plot(k, df["predicted_ms"], "s", mfc="none", color="tab:green", label="pipeline model")
     left.set(xscale="log", xlabel="chunks k", ylabel="time per forward pass (ms)", ylim=(0, None))
     left.set_xticks(list(k), [str(v) for v in k])
-    left.legend(fontsize=7)
+    left.legend(fontsize=8)
     right.plot(k, df["hidden_fraction"], "o-", color="tab:green", label="measured")
     if "predicted_hidden_fraction" in df:
         right.plot(k, df["predicted_hidden_fraction"], "s--", mfc="none", color="tab:green", label="pipeline model")
@@ -239,7 +239,7 @@ def plot_overlap_sweep(df, title=None, axes=None):
     right.axhline(0.75, color="tab:orange", lw=1, ls=":", label="goal: 75% hidden")
     right.set(xscale="log", xlabel="chunks k", ylabel="hidden fraction = 1 - exposed / comm alone")
     right.set_xticks(list(k), [str(v) for v in k])
-    right.legend(fontsize=7)
+    right.legend(fontsize=8)
     for ax in axes:
         ax.xaxis.set_minor_locator(plt.NullLocator())  # only the chunk counts on the log axis
         ax.grid(True, alpha=0.3)
@@ -270,11 +270,11 @@ def plot_overlap_summary(df, title=None):
         ax.axhline(rows["compute_ms"].median(), color="tab:blue", ls="--", label="compute alone")
         for xi, row in best.iterrows():
             ax.annotate(f"k={row['chunks']:.0f}\nhidden {row['hidden_fraction']:.2f}", (xi + 0.2, row["overlapped_ms"]),
-                        ha="center", va="bottom", fontsize=7)
+                        ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, best["path"], fontsize=8)
         top = max(best["no_overlap_ms"].max(), best["overlapped_ms"].max())
         ax.set(ylabel="time per layer (ms)", title=layer, ylim=(0, top * 1.2))
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=8, loc="lower right")
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

@@ -123,6 +123,11 @@ class _Alarm:
             self.channel._wait(handle, "the checker's side channel")
 
 
+class _NoAlarm:
+    def poll(self) -> None:
+        pass
+
+
 # ---- the communicator the reader's function gets -----------------------------------------------------------------
 # Operations a failed case left behind, kept with their buffers: a late message may still land in one, and
 # must not land in freed memory. (They are not cancelled: with MPICH, cancelling a send that had begun its
@@ -140,6 +145,7 @@ class ExerciseComm(Communicator):
         self.inner, self.alarm, self.timeout = inner, alarm, timeout
         self.rank, self.size = inner.rank, inner.size
         self.operations: list = []  # (handle, buffer) of everything posted
+        self.twins: list = []       # duplicates made for progress threads (with_timeout)
 
     def _isend(self, buf, dest, tag):
         handle = self.inner._isend(buf, dest, tag)
@@ -191,6 +197,18 @@ class ExerciseComm(Communicator):
     def barrier(self) -> None:
         self.allgather_object(None)
 
+    def with_timeout(self, timeout, poll_pause=None) -> ExerciseComm:
+        """A duplicate for a progress thread (tplab.overlap's nonblocking collectives, notebook 06): its own
+        message space and the same deadline, but no side channel (two threads must not poll one request);
+        a peer that failed shows there as a deadline passed. Collective."""
+        twin = ExerciseComm(self.inner.with_timeout(self.timeout, poll_pause), _NoAlarm(), self.timeout)
+        self.twins.append(twin)
+        return twin
+
+    def free(self) -> None:
+        for twin in self.twins:
+            twin.inner.free()
+
     def __repr__(self) -> str:
         return f"<ExerciseComm rank {self.rank} of {self.size}, deadline {self.timeout:g} s per call>"
 
@@ -231,15 +249,16 @@ def wire_problem(sent_bytes, sent_messages, wire, p) -> str | None:
 _ORDER = {"raised": 0, "wrong": 1, "wire": 2, "deadlock": 3, "stopped": 4}
 
 
-def summarise(verdicts) -> str:
-    """One line from every rank's (kind, problem): the most telling failure first, then who else failed."""
+def summarise(verdicts, same_result: bool = True) -> str:
+    """One line from every rank's (kind, problem): the most telling failure first, then who else failed.
+    ``same_result``: every rank must end with the same result (a collective), so rank 0 alone right is news."""
     failing = {r: (kind, problem) for r, (kind, problem) in enumerate(verdicts) if problem}
     if not failing:
         return ""
     p = len(verdicts)
     if len(failing) == p and len({problem for _, problem in failing.values()}) == 1 and p > 1:
         return "every rank: " + failing[0][1]
-    if p > 1 and 0 not in failing and all(kind == "wrong" for kind, _ in failing.values()) and len(failing) == p - 1:
+    if same_result and p > 1 and 0 not in failing and all(kind == "wrong" for kind, _ in failing.values()) and len(failing) == p - 1:
         return (f"only rank 0 has the right result (every rank must end with it). rank "
                 f"{min(failing)}: {failing[min(failing)][1]}")
     first, *others = sorted(failing, key=lambda r: (_ORDER[failing[r][0]], r))
@@ -259,7 +278,7 @@ def _progress(i, total, title, case, ok, problem, seconds):
 
 
 def run_cases(fn, cases, diagnose, *, comm=None, timeout=5.0, bitwise=False, title="", progress=True,
-              stop_at_first_failure=False) -> list[dict]:
+              stop_at_first_failure=False, same_result=True) -> list[dict]:
     """Run ``fn(*case.args, comm)`` on every rank for each case; ``diagnose(result, case, p)`` says what is
     wrong with this rank's result (None: right). Returns a list of dicts (case, ok, problem, seconds, and the
     case's columns), the same on every rank. Collective: call it on every rank."""
@@ -296,12 +315,13 @@ def run_cases(fn, cases, diagnose, *, comm=None, timeout=5.0, bitwise=False, tit
             alarm.close()
             digest = None if problem else _digest(result)
             verdicts = base.allgather_object((kind, problem, digest))
-            summary = summarise([(k, v) for k, v, _ in verdicts])
+            summary = summarise([(k, v) for k, v, _ in verdicts], same_result)
             ok = not summary
             if ok and bitwise and len({d for _, _, d in verdicts}) > 1:
                 ok, summary = False, ("correct to rounding, but not bitwise identical on every rank (the ranks added "
                                       "in different orders: compute each sum once, or in the same order everywhere)")
             if ok:
+                c.free()
                 inner.free()
             else:  # operations may be left behind: its duplicate stays, and they stay with their buffers
                 _ABANDONED.append((inner, c.operations))

@@ -1,0 +1,150 @@
+"""Figures of the notebooks' reference sections (measurements in ``data/``): one question per figure, at most
+three panels, the algorithms and paths in their colours from ``tplab.lab.plots.color_of``. Each function
+returns the Figure; the notebook saves and shows it.
+
+    allreduce_at(group, ranks, vendor)        01/03: at p ranks, time and speed relative to the library's all-reduce
+    models_at(d, dtype)                       04: a Llama-shaped model's forward pass and generation against TP degree
+    sp_strong_scaling(strong, seed, dtype)    05: the layer's speedup on p GPUs, per path and scheme
+    sp_components(parts)                      05: one all-gather's pieces (staged vs direct)
+    speedup_over_round_robin(speedup, ranks)  07: each strategy's makespan gain, one panel per TP degree
+    pipeline_bubbles(ref, ranks)              07: the measured bubble against the two formulas, per layout
+    strategies_gantt(intervals, names, p)     07: what every rank ran under each of up to three strategies
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from tplab.lab.plots import color_of, plot_speedup, plot_times
+
+
+def _row(n, width=5.5, height=4.0):
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), constrained_layout=True, squeeze=False)
+    return fig, list(axes[0])
+
+
+def allreduce_at(group, ranks, vendor, suptitle=None):
+    """At ``ranks`` ranks: which algorithm is fastest at each size (left), and by how much it beats the
+    library's own all-reduce (right, above 1: faster)."""
+    fig, (left, right) = _row(2)
+    plot_times(group, ax=left, title=f"{ranks} ranks: time")
+    plot_speedup(group, ax=right, title=f"{ranks} ranks: speed relative to {vendor}")
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def models_at(d, dtype, suptitle=None):
+    """One dtype: does the forward pass get faster with more GPUs (left), and does generation (right)?"""
+    fig, (forward, generation) = _row(2, width=6.0)
+    gpus = sorted(d["gpus"].unique())
+    for setting, g in d.groupby("setting"):
+        g = g.sort_values("gpus")
+        forward.plot(g["gpus"], g["forward_ms"], "o-", color=color_of(setting), label=setting)
+        if g["tokens_per_s"].notna().any():
+            generation.plot(g["gpus"], g["tokens_per_s"], "o-", color=color_of(setting), label=setting)
+    one = d[d["gpus"] == 1]["unsplit_forward_ms"].dropna()
+    if len(one):
+        forward.axhline(one.iloc[0], color="gray", ls=":", label="unsplit, 1 GPU")
+    first = d.iloc[0]
+    forward.set(title=f"{dtype}: forward, batch {first.batch} × {first.seq} tokens, {first.layers} blocks",
+                xlabel="GPUs (TP degree)", ylabel="ms", xticks=gpus)
+    generation.set(title=f"{dtype}: greedy generation", xlabel="GPUs (TP degree)", ylabel="tokens / s", xticks=gpus)
+    for ax in (forward, generation):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def sp_strong_scaling(strong, seed, dtypes, suptitle=None):
+    """Per dtype (at most three): the layer's speedup over one GPU, a colour per scheme, staged paths dashed,
+    direct ones solid, next to the mpi4py project's measurement."""
+    dtypes = list(dtypes)[:3]
+    fig, axes = _row(len(dtypes), width=6.0, height=4.2)
+    top = strong.p.max()
+    for ax, dtype in zip(axes, dtypes):
+        for (path, scheme), group in strong[strong.dtype == dtype].groupby(["path", "scheme"]):
+            group = group.sort_values("p")  # colour: the scheme; line: staged dashed; marker: the transport
+            ax.plot(group.p, group.speedup, marker="s" if "nccl" in path else "^" if "mpi" in path else "o",
+                    ls="--" if path.startswith("staged") else "-", color=color_of(scheme), label=f"{path} / {scheme}")
+        ax.plot(seed.p, seed.speedup, "k*:", ms=10, label="mpi4py project (staged)")
+        ax.plot([1, top], [1, top], color="gray", lw=1)
+        ax.set(xlabel="GPUs p", ylabel="speedup vs the layer on 1 GPU", title=f"strong scaling, {dtype}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def sp_components(parts, suptitle=None):
+    """Where the time of one staged all-gather goes, piece by piece, next to the direct one."""
+    fig, (ax,) = _row(1, width=7.5, height=4.2)
+    pivot = parts.pivot_table(index=["p", "dtype"], columns="component", values="time_s") * 1e3
+    pivot.plot.bar(ax=ax, color=[color_of(c) for c in pivot.columns], rot=0)
+    ax.set(ylabel="ms", yscale="log", title="one all-gather of K (or V), in pieces")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def speedup_over_round_robin(speedup, ranks, suptitle=None):
+    """At ``ranks`` ranks: each strategy's makespan gain over round-robin per workload, one panel per TP
+    degree (``speedup``: rows (ranks, tp, distribution), one column per strategy)."""
+    mine = speedup.xs(ranks, level="ranks")
+    tps = list(dict.fromkeys(mine.index.get_level_values("tp")))[:3]
+    fig, axes = _row(len(tps), width=5.5, height=3.6)
+    for ax, t in zip(axes, tps):
+        table = mine.xs(t, level="tp")
+        table.plot.bar(ax=ax, rot=0, color=[color_of(s) for s in table.columns], legend=ax is axes[0])
+        ax.axhline(1, color="gray", lw=1)
+        ax.set(ylabel="speed-up over round-robin", xlabel="", title=f"{ranks} ranks, tp {t}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, ncol=2)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def pipeline_bubbles(ref, ranks, suptitle=None):
+    """At ``ranks`` ranks, per layout (stages × tp): the measured bubble against (p-1)/(m+p-1) and against
+    the formula for unequal micro-batches, for micro-batches by count and balanced by cost."""
+    from tplab.balance.pipeline import (
+        gpipe_bubble,  # (here: tplab.balance brings torch)
+    )
+
+    layouts = list(ref[ref.ranks == ranks].groupby(["stages", "tp"]))[:3]
+    fig, axes = _row(len(layouts), width=5.5, height=3.6)
+    for ax, ((stages, t), group) in zip(axes, layouts):
+        med = group.groupby(["micro_batching", "m"]).median(numeric_only=True).reset_index()
+        ms = np.arange(1, med.m.max() + 1)
+        ax.plot(ms, [gpipe_bubble(stages, int(m)) for m in ms], "k-", label="(p-1)/(m+p-1)")
+        for rule, g in med.groupby("micro_batching"):
+            ax.plot(g.m, g.bubble, "o-", color=color_of(rule), label=f"measured, {rule}")
+            ax.plot(g.m, g.bubble_unequal_formula, "x--", color=color_of(rule), label=f"from Σc + (p-1)·max c, {rule}")
+        ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble", ylim=(0, 1),
+               title=f"{stages} stages x tp {t} ({ranks} ranks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def strategies_gantt(intervals, names, p):
+    """Up to three strategies, one Gantt chart each, on a shared time axis: who ran what, when."""
+    from tplab.balance import plot_gantt
+
+    names = list(names)[:3]
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, len(names) * (0.35 * p + 0.9)), constrained_layout=True,
+                             sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        mine = intervals[intervals.strategy == name]  # work bars, and the queue's waits as hatched strips
+        plot_gantt(mine, color_by="item", ax=ax, title=f"{name}: makespan {mine[mine.what == 'forward'].end.max():.3f} s")
+    return fig
