@@ -8,6 +8,9 @@
         -a builtin,ring,peer_one_shot,peer_two_shot,peer_ring,auto
                                      the same on a GPU node: one rank per GPU, NCCL as the built-in, and
                                      the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
+    tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
+    tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
+    tplab nodes status | down        several nodes on this machine (network namespaces, root): tplab.nodes
 """
 
 from __future__ import annotations
@@ -117,6 +120,36 @@ def format_table(rows, osu=False) -> str:
     return "\n".join(lines)
 
 
+def cmd_nodes(args) -> int:
+    import subprocess
+
+    from tplab import nodes
+
+    try:
+        if args.action == "up":
+            layout = nodes.up(nodes.Layout(nodes=args.nodes, ranks_per_node=args.ranks_per_node, subnet=args.subnet,
+                                           rate=args.rate or None, latency=args.latency or None))
+            print(f"up: {layout.describe()}\nhostfile {layout.hostfile}\n"
+                  f"run across them: tplab nodes run -- python your_script.py")
+        elif args.action == "down":
+            removed = nodes.down()
+            print(f"down: removed {', '.join(removed)}" if removed else "down: no tplab nodes were up")
+        elif args.action == "status":
+            print(nodes.status())
+        else:  # run
+            command = args.command
+            if not command:
+                print("tplab nodes run: give the program, e.g. tplab nodes run -- python try.py", file=sys.stderr)
+                return 2
+            full = nodes.mpiexec_command(nodes.current(), ranks=args.ranks) + command
+            print("+ " + " ".join(full), file=sys.stderr, flush=True)
+            return subprocess.run(full).returncode
+    except (nodes.NodesError, ValueError) as e:
+        print(f"tplab nodes {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tplab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,7 +186,25 @@ def main(argv=None) -> int:
                         "peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("nodes", help="several nodes on this machine: network namespaces joined by a shaped link "
+                                     "(root, iproute2), MPI across them with mpiexec and a hostfile")
+    p.add_argument("action", choices=["up", "down", "status", "run"])
+    p.add_argument("--nodes", type=int, default=2, help="up: how many nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="up: MPI slots per node in the hostfile (default 2)")
+    p.add_argument("--rate", default="10gbit", help="up: each node's outgoing rate, tc units (default 10gbit; '' = unshaped)")
+    p.add_argument("--latency", default="", help="up: added delay per packet, e.g. 20us (needs the kernel's netem)")
+    p.add_argument("--subnet", default="10.213.0.0/24", help="up: private subnet inside the namespaces")
+    p.add_argument("-n", "--ranks", type=int, default=None, help="run: MPI ranks (default: every slot)")
+    p.add_argument("command", nargs="*", help="run: the program and its arguments, after --")
+    p.set_defaults(func=cmd_nodes)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program = []  # `tplab nodes run -- PROGRAM ...`: everything after -- is the program's, options included
+    if argv[:2] == ["nodes", "run"] and "--" in argv:
+        argv, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
+    if program:
+        args.command = args.command + program
     return args.func(args)
 
 

@@ -1,0 +1,21 @@
+"""tplab.nodes — several nodes on one Linux machine, for real: network namespaces joined by a shaped link.
+
+Each node is a network namespace with its own address; the link between the nodes is rate-limited (and
+delayed, where the kernel has netem) with tc; MPI starts its ranks on them with its own launcher and a
+hostfile, as on a cluster. So MPI's node detection finds real nodes, messages between nodes cross a real
+(slow) network stack, and messages inside a node take shared memory.
+
+    sudo tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
+    sudo tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
+    sudo tplab nodes down
+
+namespaces.py makes and removes them (root, iproute2), shaping.py is the link, launch.sh the launcher
+MPICH's mpiexec uses in place of ssh.
+"""
+
+from tplab.nodes.namespaces import (DEVICE, MPI_ENV, Layout, NodesError, check_can_run, current, down,
+                                    mpiexec_command, status, up)
+from tplab.nodes.shaping import Shaping, parse_rate, parse_time
+
+__all__ = ["DEVICE", "MPI_ENV", "Layout", "NodesError", "Shaping", "check_can_run", "current", "down",
+           "mpiexec_command", "parse_rate", "parse_time", "status", "up"]
