@@ -14,8 +14,8 @@ MPICH's mpiexec uses in place of ssh.
 """
 
 from tplab.nodes.namespaces import (DEVICE, MPI_ENV, Layout, NodesError, check_can_run, current, down,
-                                    mpiexec_command, status, up)
+                                    mpiexec_command, namespaces_work, status, up)
 from tplab.nodes.shaping import Shaping, parse_rate, parse_time
 
 __all__ = ["DEVICE", "MPI_ENV", "Layout", "NodesError", "Shaping", "check_can_run", "current", "down",
-           "mpiexec_command", "parse_rate", "parse_time", "status", "up"]
+           "mpiexec_command", "namespaces_work", "parse_rate", "parse_time", "status", "up"]

@@ -112,6 +112,19 @@ def check_can_run():
         raise NodesError("tplab nodes needs unshare (util-linux) for each node's own hostname")
 
 
+def namespaces_work() -> tuple[bool, str]:
+    """Whether this machine lets us make network namespaces (root, iproute2, and a kernel and container
+    that allow it), tried with a throwaway namespace; and why not."""
+    try:
+        check_can_run()
+    except NodesError as e:
+        return False, str(e)
+    probe = f"{PREFIX}-probe"
+    proc = run("ip", "netns", "add", probe, check=False)
+    run("ip", "netns", "del", probe, check=False)
+    return (True, "") if proc.returncode == 0 else (False, f"`ip netns add` fails here: {proc.stderr.strip()}")
+
+
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
@@ -230,12 +243,15 @@ def default_mpiexec() -> str:
     return found
 
 
-def mpiexec_command(layout: Layout, ranks: int | None = None, extra_env: dict | None = None) -> list[str]:
-    """The command line that runs ``ranks`` processes (default: every slot) across the nodes; append the
-    program. Hydra fills the nodes in order, ranks_per_node each, as on a cluster."""
+def mpiexec_command(layout: Layout, ranks: int | None = None, ranks_per_node: int | None = None,
+                    extra_env: dict | None = None) -> list[str]:
+    """The command line that runs ``ranks`` processes across the nodes; append the program. Hydra fills
+    the nodes in order, as on a cluster: the hostfile's slots each, or ``ranks_per_node`` each (-ppn).
+    ``ranks`` defaults to every slot."""
+    q = layout.ranks_per_node if ranks_per_node is None else ranks_per_node
     env = dict(MPI_ENV, **(extra_env or {}))
     genv = [arg for key, value in env.items() for arg in ("-genv", key, str(value))]
     return ["ip", "netns", "exec", layout.names[0], layout.mpiexec,
             "-launcher", "ssh", "-launcher-exec", str(layout.launcher),
-            "-localhost", layout.address(0), "-f", str(layout.hostfile),
-            "-n", str(layout.ranks if ranks is None else ranks), *genv]
+            "-localhost", layout.address(0), "-f", str(layout.hostfile), "-ppn", str(q),
+            "-n", str(layout.nodes * q if ranks is None else ranks), *genv]
