@@ -1,0 +1,102 @@
+"""Flat vs hierarchical all-reduce across real nodes, measured and predicted by the two-level model.
+
+On one Linux machine, as root (network namespaces; tplab.nodes brings them up and down around the run):
+
+    python scripts/nodes_allreduce.py --nodes 2 --ranks-per-node 2 --rate 1gbit \
+        --csv data/nodes_2x2_<machine>.csv
+
+On a cluster (or nodes already up), run the measuring part under the cluster's own mpiexec:
+
+    mpiexec -f hostfile -ppn 2 -n 4 python scripts/nodes_allreduce.py --inside --csv out.csv
+
+Prints, per size, each algorithm's measured and predicted time, the crossover (the size from which
+hierarchical beats recursive doubling) measured and predicted, and how many points the model gets
+within 25%. tplab.lab.across_nodes says what is fitted and how.
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tplab beside this script, also when run from elsewhere
+
+SIZES = [16 << (2 * i) for i in range(11)]  # 16 B .. 16 MiB per rank, 4x apart
+
+
+def inside(args) -> int:
+    from tplab.comm import world
+    from tplab.lab.across_nodes import crossover, flat_vs_hierarchical
+
+    rows = flat_vs_hierarchical(SIZES[args.first: args.first + args.points], iters=args.iters, fit_iters=args.fit_iters, link=args.link, csv_path=args.csv)
+    if world().rank == 0:
+        import pandas as pd
+
+        frame = pd.DataFrame(rows)
+        first = frame.iloc[0]
+        print(f"{first.nodes} nodes x {first.ranks_per_node} ranks ({first.hosts}); link {args.link}")
+        print(f"fitted: inside a node α {first.intra_alpha_us:.1f} µs, {first.intra_GBps:.2f} GB/s; between nodes "
+              f"α {first.inter_alpha_us:.1f} µs, {first.inter_GBps:.3f} GB/s up to {first.inter_switch_bytes:.0f} B, "
+              f"then α {first.inter_alpha_large_us:.1f} µs, {first.inter_large_GBps:.3f} GB/s; a 4 MiB exchange between nodes "
+              f"{first.exchange_4MiB_one_flow_ms:.1f} ms alone, {first.exchange_4MiB_all_flows_ms:.1f} ms with all "
+              f"{first.ranks_per_node} ranks of each node at once")
+        table = frame.pivot(index="size", columns="algorithm", values="time_us").round(0)
+        predicted = frame.dropna(subset=["predicted_us"]).pivot(index="size", columns="algorithm",
+                                                                 values="predicted_us").round(0)
+        print("measured µs\n", table.to_string(), "\npredicted µs (one link per node)\n", predicted.to_string())
+        modelled = frame.dropna(subset=["predicted_us"])
+        large = modelled["size"] >= 262144
+        for column, what in (("error", "median"), ("error_vs_min", "fastest iteration")):
+            within = modelled[column].abs() <= 0.25
+            print(f"within 25% of the {what}: {within.sum()} of {len(modelled)} points; "
+                  f"from 256 KiB: {within[large].sum()} of {large.sum()}")
+        print(f"hierarchical beats recursive doubling from: measured {crossover(rows)} B, "
+              f"predicted {crossover(rows, column='predicted_us')} B; beats ring from: measured "
+              f"{crossover(rows, 'ring')} B, predicted {crossover(rows, 'ring', column='predicted_us')} B")
+    return 0
+
+
+def around(args) -> int:
+    """Bring the nodes up, run this script across them, bring them down (also after a failure)."""
+    from tplab import nodes
+
+    layout = nodes.up(nodes.Layout(nodes=args.nodes, ranks_per_node=args.ranks_per_node, rate=args.rate,
+                                   latency=args.latency))
+    try:
+        print(layout.describe(), flush=True)
+        link = layout.shaping().describe(layout.netem)
+        cmd = nodes.mpiexec_command(layout) + [sys.executable, __file__, "--inside", "--link", link,
+                                               "--iters", str(args.iters), "--fit-iters", str(args.fit_iters), "--points", str(args.points),
+                                               "--first", str(args.first)]
+        cmd += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            print(f"timed out after {args.timeout} s", file=sys.stderr)
+            return 1
+    finally:
+        nodes.down()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inside", action="store_true", help="measure (under an mpiexec across nodes)")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit", help="each node's outgoing rate (tc units)")
+    parser.add_argument("--latency", default=None, help="added per-packet delay (needs netem in the kernel)")
+    parser.add_argument("--link", default="", help="a description of the link, stored in every row")
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per point (median)")
+    parser.add_argument("--fit-iters", type=int, default=30, help="iterations per size of the α-β-γ fits")
+    parser.add_argument("--points", type=int, default=len(SIZES), help="how many sizes, from 16 B, 4x apart")
+    parser.add_argument("--first", type=int, default=0, help="skip this many of the smallest sizes")
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--timeout", type=int, default=900)
+    arguments = parser.parse_args()
+    sys.exit(inside(arguments) if arguments.inside else around(arguments))
