@@ -39,8 +39,7 @@ def inside(args) -> int:
         first = frame.iloc[0]
         print(f"{first.nodes} nodes x {first.ranks_per_node} ranks ({first.hosts}); link {args.link}")
         print(f"fitted: inside a node α {first.intra_alpha_us:.1f} µs, {first.intra_GBps:.2f} GB/s; between nodes "
-              f"α {first.inter_alpha_us:.1f} µs, {first.inter_GBps:.3f} GB/s up to {first.inter_switch_bytes:.0f} B, "
-              f"then α {first.inter_alpha_large_us:.1f} µs, {first.inter_large_GBps:.3f} GB/s; a 4 MiB exchange between nodes "
+              f"α {first.inter_alpha_us:.1f} µs, {first.inter_GBps:.3f} GB/s; a 4 MiB exchange between nodes "
               f"{first.exchange_4MiB_one_flow_ms:.1f} ms alone, {first.exchange_4MiB_all_flows_ms:.1f} ms with all "
               f"{first.ranks_per_node} ranks of each node at once")
         table = frame.pivot(index="size", columns="algorithm", values="time_us").round(0)

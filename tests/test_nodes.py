@@ -69,9 +69,11 @@ def test_mpiexec_command_is_a_cluster_mpiexec():
     layout = nodes.Layout(nodes=2, ranks_per_node=3, mpiexec="/x/mpiexec", state_dir="/s")
     cmd = nodes.mpiexec_command(layout, ranks_per_node=2)
     assert cmd[:5] == ["ip", "netns", "exec", "tplab-node0", "/x/mpiexec"]
-    flags = dict(zip(cmd[5::2], cmd[6::2]))
-    assert flags["-launcher-exec"] == "/s/launch.sh" and flags["-f"] == "/s/hostfile"
-    assert flags["-localhost"] == "10.213.0.1" and flags["-ppn"] == "2" and flags["-n"] == "4"
+    def flag(name):
+        return cmd[cmd.index(name) + 1]
+
+    assert flag("-launcher-exec") == "/s/launch.sh" and flag("-f") == "/s/hostfile"
+    assert flag("-localhost") == "10.213.0.1" and flag("-ppn") == "2" and flag("-n") == "4"
     assert "FI_TCP_IFACE" in cmd and nodes.DEVICE in cmd
 
 
@@ -158,6 +160,32 @@ def test_each_node_has_its_own_hostname(two_nodes):
     assert rc == 0, out
     names = [("tplab-node0",) * 2] * 2 + [("tplab-node1",) * 2] * 2
     assert f"seen {names}" in out, out
+
+
+@needs_namespaces
+def test_ipyparallel_cluster_across_the_nodes(two_nodes, tmp_path):
+    """README's multi-node recipe, executed: the controller listens on node 0's address, mpiexec starts
+    the engines on both nodes, a client on node 0 runs functions on them; MPI sees 2 nodes."""
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path / "ipython"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    start = nodes.ipcluster_command(two_nodes, engines=4, cluster_id="multi", ranks_per_node=2)
+    assert "--ip=10.213.0.1" in start
+    ipcluster = start[start.index("start") - 1]
+    try:
+        proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        client = ("import tplab.cluster as c\n"
+                  "def where():\n    import socket\n    from tplab.comm import world\n"
+                  "    return socket.gethostname(), world().node_ids()\n"
+                  "cluster = c.connect('multi', n=4, timeout=60)\nprint('seen', cluster.run(where))\n")
+        proc = subprocess.run(nodes.in_login_node(two_nodes) + [sys.executable, "-c", client], env=env,
+                              capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        layout = [0, 0, 1, 1]
+        expected = [("tplab-node0", layout)] * 2 + [("tplab-node1", layout)] * 2
+        assert f"seen {expected}" in proc.stdout, proc.stdout
+    finally:
+        subprocess.run(nodes.in_login_node(two_nodes) + [ipcluster, "stop", "--cluster-id=multi"], env=env,
+                       capture_output=True, timeout=60)
 
 
 @needs_namespaces

@@ -10,7 +10,8 @@
                                      the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
     tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
     tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
-    tplab nodes status | down        several nodes on this machine (network namespaces, root): tplab.nodes
+    tplab nodes ipcluster -n 4 | login -- CMD | status | down
+                                     several nodes on this machine (network namespaces, root): tplab.nodes
 """
 
 from __future__ import annotations
@@ -136,12 +137,25 @@ def cmd_nodes(args) -> int:
             print(f"down: removed {', '.join(removed)}" if removed else "down: no tplab nodes were up")
         elif args.action == "status":
             print(nodes.status())
-        else:  # run
+        elif args.action == "ipcluster":
+            layout = nodes.current()
+            full = nodes.ipcluster_command(layout, engines=args.ranks, cluster_id=args.cluster_id)
+            print("+ " + " ".join(full), file=sys.stderr, flush=True)
+            code = subprocess.run(full).returncode
+            if code == 0:
+                print(f"connect from node 0: tplab nodes login -- python -c \"import tplab.cluster as c; "
+                      f"print(c.connect('{args.cluster_id}', n={args.ranks or layout.ranks}).run_df(c.engine_rank))\"\n"
+                      f"stop: tplab nodes login -- ipcluster stop --cluster-id={args.cluster_id} (or tplab nodes down)")
+            return code
+        else:  # run, login
             command = args.command
             if not command:
-                print("tplab nodes run: give the program, e.g. tplab nodes run -- python try.py", file=sys.stderr)
+                print(f"tplab nodes {args.action}: give the program, e.g. tplab nodes {args.action} -- python try.py",
+                      file=sys.stderr)
                 return 2
-            full = nodes.mpiexec_command(nodes.current(), ranks=args.ranks) + command
+            layout = nodes.current()
+            full = (nodes.mpiexec_command(layout, ranks=args.ranks) if args.action == "run"
+                    else nodes.in_login_node(layout)) + command
             print("+ " + " ".join(full), file=sys.stderr, flush=True)
             return subprocess.run(full).returncode
     except (nodes.NodesError, ValueError) as e:
@@ -188,19 +202,22 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("nodes", help="several nodes on this machine: network namespaces joined by a shaped link "
                                      "(root, iproute2), MPI across them with mpiexec and a hostfile")
-    p.add_argument("action", choices=["up", "down", "status", "run"])
+    p.add_argument("action", choices=["up", "down", "status", "run", "login", "ipcluster"],
+                   help="run: the program on every rank (mpiexec across the nodes); login: a command on node 0; "
+                        "ipcluster: an ipyparallel cluster with engines on every node")
     p.add_argument("--nodes", type=int, default=2, help="up: how many nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="up: MPI slots per node in the hostfile (default 2)")
     p.add_argument("--rate", default="10gbit", help="up: each node's outgoing rate, tc units (default 10gbit; '' = unshaped)")
     p.add_argument("--latency", default="", help="up: added delay per packet, e.g. 20us (needs the kernel's netem)")
     p.add_argument("--subnet", default="10.213.0.0/24", help="up: private subnet inside the namespaces")
-    p.add_argument("-n", "--ranks", type=int, default=None, help="run: MPI ranks (default: every slot)")
+    p.add_argument("-n", "--ranks", type=int, default=None, help="run, ipcluster: MPI ranks (default: every slot)")
+    p.add_argument("--cluster-id", default="multi", help="ipcluster: the cluster's id (default multi)")
     p.add_argument("command", nargs="*", help="run: the program and its arguments, after --")
     p.set_defaults(func=cmd_nodes)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     program = []  # `tplab nodes run -- PROGRAM ...`: everything after -- is the program's, options included
-    if argv[:2] == ["nodes", "run"] and "--" in argv:
+    if argv[:2] in (["nodes", "run"], ["nodes", "login"]) and "--" in argv:
         argv, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
     if program:

@@ -4,8 +4,8 @@ Run under an mpiexec that spans several nodes (``tplab nodes run`` on one machin
 or a cluster's): MPI's node detection gives the nodes, no ``ranks_per_node`` is pretended.
 
     fit       α, β, γ inside a node: ``fit_on`` the ranks of my node (every node at once, as in a
-              collective); α, β between nodes: ``fit_on`` the two ranks of local index 0 on two nodes,
-              one message each way at a time: one flow through each node's link. A 4 MiB exchange by the
+              collective); α, β between nodes: the first rank of each node exchanges with the next node's,
+              4 exchanges in a row per timing (measure_link): one flow through each node's link. A 4 MiB exchange by the
               first ranks alone, then by every rank at once, shows how the link is shared.
     sweep     ``tplab.lab.bench.sweep`` of the flat algorithms, hierarchical and MPI's built-in, on the
               world communicator: the inter-node messages cross the real (shaped) link.
@@ -24,7 +24,7 @@ import numpy as np
 
 from tplab.comm import world
 from tplab.cost import Machine, TwoLevelMachine, fit_on, predict
-from tplab.cost.fit import fit_line, fit_two_lines, measure_exchange
+from tplab.cost.fit import fit_line
 from tplab.lab.bench import sweep
 
 FLAT = ("ring", "recursive_doubling", "rabenseifner")
@@ -40,23 +40,31 @@ def fit_two_levels(comm, iters=10, sizes=FIT_SIZES):
     comm.barrier()
     inter = None
     if local.rank == 0:
-        inter = _fit_link(measure_exchange(cross, sizes, iters=iters))
+        alpha, beta = fit_line(measure_link(cross, sizes, iters=iters))
+        inter = Machine(alpha=alpha, beta=beta, gamma=0.0, name="between nodes")
     comm.barrier()
     # world rank 0 is local rank 0 of node 0, so it has both
     return comm.allgather_object(intra)[0], comm.allgather_object(inter)[0]
 
 
-def _fit_link(exchange_rows) -> Machine:
-    """α, β between nodes, as two lines wherever the best split fits better than one line (``fit_two_lines``
-    with no bar): a shaped link lets its token bucket's burst (~1 ms of traffic) through at the wire's
-    speed, so messages up to ~100 KiB see a faster link than long transfers, which run at the rate."""
-    alpha, beta = fit_line(exchange_rows)
-    two = fit_two_lines(exchange_rows, better_by=1.0)
-    if two is None:
-        return Machine(alpha=alpha, beta=beta, gamma=0.0, name="between nodes")
-    switch, (alpha, beta), (alpha_large, beta_large) = two
-    return Machine(alpha=alpha, beta=beta, gamma=0.0, name="between nodes", switch_bytes=switch,
-                   alpha_large=alpha_large, beta_large=beta_large)
+def measure_link(cross, sizes, iters=10, steps=4) -> list[dict]:
+    """Per-step seconds of ``steps`` exchanges in a row with the next node (a chain, as an algorithm's
+    crossing steps follow each other). Several in a row matter on a shaped link: its token bucket lets a
+    burst (~1 ms of traffic) through at the wire's speed after a pause, which a single exchange after a
+    barrier would take for the link's rate. The slowest rank's median; the same rows on every rank."""
+    right, left = (cross.rank + 1) % cross.size, (cross.rank - 1) % cross.size
+    rows = []
+    for size in sizes:
+        out, into = np.ones(size * steps, np.uint8), np.empty(size, np.uint8)
+        mine = []
+        for i in range(iters + 2):
+            cross.barrier()
+            t0 = time.perf_counter()
+            for k in range(steps):
+                cross.sendrecv(out[k * size:(k + 1) * size], right, into, left)
+            mine.append((time.perf_counter() - t0) / steps)
+        rows.append({"size": size, "time_s": max(cross.allgather_object(float(np.median(mine[2:]))))})
+    return rows
 
 
 def measure_link_sharing(comm, nbytes=4 << 20, iters=5):
@@ -111,9 +119,6 @@ def flat_vs_hierarchical(sizes, iters=5, fit_iters=10, algorithms=FLAT + ("hiera
                     "intra_alpha_us": intra.alpha * 1e6, "intra_GBps": 1e-9 / intra.beta,
                     "gamma_GBps": 1e-9 / intra.gamma, "entry_us": intra.entry * 1e6,
                     "inter_alpha_us": inter.alpha * 1e6, "inter_GBps": 1e-9 / inter.beta,
-                    "inter_switch_bytes": inter.switch_bytes,
-                    "inter_alpha_large_us": (inter.alpha_large or inter.alpha) * 1e6,
-                    "inter_large_GBps": 1e-9 / (inter.beta_large or inter.beta),
                     "exchange_4MiB_one_flow_ms": alone * 1e3, "exchange_4MiB_all_flows_ms": together * 1e3})
     if csv_path and comm.rank == 0:
         import pandas as pd

@@ -7,15 +7,19 @@ hostfile, as on a cluster. So MPI's node detection finds real nodes, messages be
 
     sudo tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
     sudo tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
-    sudo tplab nodes down
+    sudo tplab nodes ipcluster -n 4 --cluster-id multi       # engines on both nodes, controller on node 0
+    sudo tplab nodes login -- python -c "import tplab.cluster as c; print(c.connect('multi', n=4).run_df(c.engine_rank))"
+    sudo tplab nodes down                                      # also ends what still runs on the nodes
 
 namespaces.py makes and removes them (root, iproute2), shaping.py is the link, launch.sh the launcher
 MPICH's mpiexec uses in place of ssh.
 """
 
 from tplab.nodes.namespaces import (DEVICE, MPI_ENV, Layout, NodesError, check_can_run, current, down,
-                                    mpiexec_command, namespaces_work, status, up)
+                                    in_login_node, ipcluster_command, mpiexec_args, mpiexec_command,
+                                    namespaces_work, status, up)
 from tplab.nodes.shaping import Shaping, parse_rate, parse_time
 
 __all__ = ["DEVICE", "MPI_ENV", "Layout", "NodesError", "Shaping", "check_can_run", "current", "down",
-           "mpiexec_command", "namespaces_work", "parse_rate", "parse_time", "status", "up"]
+           "in_login_node", "ipcluster_command", "mpiexec_args", "mpiexec_command", "namespaces_work",
+           "parse_rate", "parse_time", "status", "up"]

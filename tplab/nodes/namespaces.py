@@ -31,8 +31,10 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -204,10 +206,34 @@ def down(quiet: bool = False) -> list[str]:
         check_can_run()
     removed = []
     for name in existing():
+        stop_processes_in(name)
         if run("ip", "netns", "del", name, check=False).returncode == 0:
             removed.append(name)
     shutil.rmtree(STATE_DIR, ignore_errors=True)
     return removed
+
+
+def stop_processes_in(name: str, grace: float = 3.0):
+    """End what still runs inside a tplab namespace (an MPI job or an ipcluster left behind): a deleted
+    namespace lives on while processes use it, with no way back in. SIGTERM, then SIGKILL after ``grace``."""
+    pids = [int(p) for p in run("ip", "netns", "pids", name, check=False).stdout.split()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in pids if _signal(p, sig)]
+        deadline = time.monotonic() + grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if _signal(p, 0)]
+        if not alive:
+            return
+        pids = alive
+
+
+def _signal(pid: int, sig) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def current() -> Layout:
@@ -243,15 +269,40 @@ def default_mpiexec() -> str:
     return found
 
 
-def mpiexec_command(layout: Layout, ranks: int | None = None, ranks_per_node: int | None = None,
-                    extra_env: dict | None = None) -> list[str]:
-    """The command line that runs ``ranks`` processes across the nodes; append the program. Hydra fills
-    the nodes in order, as on a cluster: the hostfile's slots each, or ``ranks_per_node`` each (-ppn).
-    ``ranks`` defaults to every slot."""
+def mpiexec_args(layout: Layout, ranks_per_node: int | None = None, extra_env: dict | None = None) -> list[str]:
+    """What a cluster's mpiexec needs besides -n: the launcher, the control address, the hostfile, the
+    ranks per node (-ppn: hydra fills the nodes in order, as on a cluster) and the network's environment."""
     q = layout.ranks_per_node if ranks_per_node is None else ranks_per_node
     env = dict(MPI_ENV, **(extra_env or {}))
     genv = [arg for key, value in env.items() for arg in ("-genv", key, str(value))]
-    return ["ip", "netns", "exec", layout.names[0], layout.mpiexec,
-            "-launcher", "ssh", "-launcher-exec", str(layout.launcher),
-            "-localhost", layout.address(0), "-f", str(layout.hostfile), "-ppn", str(q),
-            "-n", str(layout.nodes * q if ranks is None else ranks), *genv]
+    return ["-launcher", "ssh", "-launcher-exec", str(layout.launcher), "-localhost", layout.address(0),
+            "-f", str(layout.hostfile), "-ppn", str(q), *genv]
+
+
+def in_login_node(layout: Layout) -> list[str]:
+    """The prefix that runs a command on node 0, the "login node" where mpiexec and the controller run."""
+    return ["ip", "netns", "exec", layout.names[0]]
+
+
+def mpiexec_command(layout: Layout, ranks: int | None = None, ranks_per_node: int | None = None,
+                    extra_env: dict | None = None) -> list[str]:
+    """The command line that runs ``ranks`` processes across the nodes (default: ranks_per_node on every
+    node); append the program."""
+    q = layout.ranks_per_node if ranks_per_node is None else ranks_per_node
+    return [*in_login_node(layout), layout.mpiexec, *mpiexec_args(layout, q, extra_env),
+            "-n", str(layout.nodes * q if ranks is None else ranks)]
+
+
+def ipcluster_command(layout: Layout, engines: int | None = None, cluster_id: str = "multi",
+                      ranks_per_node: int | None = None) -> list[str]:
+    """README's multi-node recipe, on these nodes: ``ipcluster start --engines=MPI --daemonize`` on node 0
+    with the controller listening on node 0's address (``--ip``; 127.0.0.1 would be unreachable from
+    the other nodes) and the engines started by the cluster's mpiexec with its hostfile. Connect from
+    node 0 (``in_login_node``): ``tplab.cluster.connect(cluster_id, n=engines)``. Engines fill the nodes
+    in order, ``ranks_per_node`` each (default: the hostfile's slots)."""
+    ipcluster = str(Path(layout.mpiexec).with_name("ipcluster"))
+    if not Path(ipcluster).exists():
+        ipcluster = shutil.which("ipcluster") or "ipcluster"
+    return [*in_login_node(layout), ipcluster, "start", "-n", str(engines or layout.ranks), "--engines=MPI",
+            f"--cluster-id={cluster_id}", "--daemonize", f"--ip={layout.address(0)}",
+            f"--MPILauncher.mpi_cmd={[layout.mpiexec]!r}", f"--MPILauncher.mpi_args={mpiexec_args(layout, ranks_per_node)!r}"]
