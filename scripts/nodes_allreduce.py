@@ -15,9 +15,6 @@ within 25%. tplab.lab.across_nodes says what is fitted and how.
 """
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -67,18 +64,10 @@ def around(args) -> int:
     try:
         print(layout.describe(), flush=True)
         link = layout.shaping().describe(layout.netem)
-        cmd = nodes.mpiexec_command(layout) + [sys.executable, __file__, "--inside", "--link", link,
-                                               "--iters", str(args.iters), "--fit-iters", str(args.fit_iters), "--points", str(args.points),
-                                               "--first", str(args.first)]
-        cmd += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            print(f"timed out after {args.timeout} s", file=sys.stderr)
-            return 1
+        program = [sys.executable, __file__, "--inside", "--link", link, "--iters", str(args.iters),
+                   "--fit-iters", str(args.fit_iters), "--points", str(args.points), "--first", str(args.first)]
+        program += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
+        return nodes.run_across(layout, program, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})[0]
     finally:
         nodes.down()
 

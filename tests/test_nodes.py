@@ -8,7 +8,6 @@ Each MPI launch has a hard time limit and its whole process group is killed at t
 """
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -112,17 +111,11 @@ def two_nodes():
 
 def mpi(layout, ranks_per_node, program, timeout=240, **env):
     """Run ``program`` on 2 nodes x ranks_per_node across the namespaces; the whole group dies at the limit."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", **env)
-    cmd = nodes.mpiexec_command(layout, ranks_per_node=ranks_per_node) + program
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s\n{out}")
-    return proc.returncode, out
+        return nodes.run_across(layout, program, ranks_per_node=ranks_per_node, timeout=timeout, capture=True, cwd=ROOT,
+                                env=dict(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", **env))
+    except TimeoutError as e:
+        pytest.fail(str(e))
 
 
 @needs_namespaces

@@ -11,15 +11,15 @@ hostfile, as on a cluster. So MPI's node detection finds real nodes, messages be
     sudo tplab nodes login -- python -c "import tplab.cluster as c; print(c.connect('multi', n=4).run_df(c.engine_rank))"
     sudo tplab nodes down                                      # also ends what still runs on the nodes
 
-namespaces.py makes and removes them (root, iproute2), shaping.py is the link, launch.sh the launcher
-MPICH's mpiexec uses in place of ssh.
+namespaces.py makes and removes them (root, iproute2), shaping.py is the link, launcher.py the mpiexec
+and ipcluster command lines, launch.sh the launcher MPICH's mpiexec uses in place of ssh.
 """
 
-from tplab.nodes.namespaces import (DEVICE, MPI_ENV, Layout, NodesError, check_can_run, current, down,
-                                    in_login_node, ipcluster_command, mpiexec_args, mpiexec_command,
-                                    namespaces_work, status, up)
+from tplab.nodes.launcher import (MPI_ENV, in_login_node, ipcluster_command, mpiexec_args, mpiexec_command,
+                                  run_across)
+from tplab.nodes.namespaces import DEVICE, Layout, NodesError, check_can_run, current, down, namespaces_work, status, up
 from tplab.nodes.shaping import Shaping, parse_rate, parse_time
 
 __all__ = ["DEVICE", "MPI_ENV", "Layout", "NodesError", "Shaping", "check_can_run", "current", "down",
            "in_login_node", "ipcluster_command", "mpiexec_args", "mpiexec_command", "namespaces_work",
-           "parse_rate", "parse_time", "status", "up"]
+           "parse_rate", "parse_time", "run_across", "status", "up"]

@@ -20,9 +20,7 @@ For MPI, ``up`` also writes into STATE_DIR (/run/tplab-nodes):
                   the node's namespace, with the node's name as hostname
     layout.json   what was made, for ``status`` and ``mpiexec_command``
 
-``mpiexec_command`` is then the same mpiexec a cluster uses, started inside node 0 (the "login node"),
-told where its control port listens (node 0's address) and to send inter-node traffic over TCP on
-``tplab0`` (libfabric's tcp provider): by default MPICH would see one machine and use shared memory.
+launcher.py builds the mpiexec (and ipcluster) command lines that use them.
 """
 
 from __future__ import annotations
@@ -46,9 +44,6 @@ SWITCH = "tplab-switch"
 BRIDGE = "tplab-br"
 DEVICE = "tplab0"  # the node's interface: the same name in every node, so one FI_TCP_IFACE fits all
 STATE_DIR = Path(os.environ.get("TPLAB_NODES_STATE", "/run/tplab-nodes"))
-# The environment MPICH's processes need to talk across the namespaces: the OFI netmod, libfabric's tcp
-# provider on the node's interface (the default would find one machine and take shared memory).
-MPI_ENV = {"MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": DEVICE}
 
 
 class NodesError(RuntimeError):
@@ -160,7 +155,7 @@ def up(layout: Layout, mpiexec: str | None = None) -> Layout:
     down(quiet=True)
     try:
         _make(layout)
-        layout.mpiexec = mpiexec or default_mpiexec()
+        layout.mpiexec = mpiexec or _default_mpiexec()
         _write_state(layout)
     except BaseException:
         down(quiet=True)
@@ -188,6 +183,15 @@ def _make(layout: Layout):
     for name in layout.names:
         for command in layout.shaping().commands(DEVICE, layout.netem):
             in_node(name, *command)
+
+
+def _default_mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's hydra), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise NodesError("no mpiexec: install the mpich wheel (pip install mpich) or an MPICH")
+    return found
 
 
 def _write_state(layout: Layout):
@@ -257,52 +261,3 @@ def status() -> str:
         lines.append(f"  {name}: {qdisc.splitlines()[0] if qdisc else '(no qdisc)'}")
     lines.append(f"hostfile {layout.hostfile}; launcher {layout.launcher}")
     return "\n".join(lines)
-
-
-# ---- MPI across the nodes ------------------------------------------------------------------------------------
-def default_mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's hydra), else the first on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise NodesError("no mpiexec: install the mpich wheel (pip install mpich) or an MPICH")
-    return found
-
-
-def mpiexec_args(layout: Layout, ranks_per_node: int | None = None, extra_env: dict | None = None) -> list[str]:
-    """What a cluster's mpiexec needs besides -n: the launcher, the control address, the hostfile, the
-    ranks per node (-ppn: hydra fills the nodes in order, as on a cluster) and the network's environment."""
-    q = layout.ranks_per_node if ranks_per_node is None else ranks_per_node
-    env = dict(MPI_ENV, **(extra_env or {}))
-    genv = [arg for key, value in env.items() for arg in ("-genv", key, str(value))]
-    return ["-launcher", "ssh", "-launcher-exec", str(layout.launcher), "-localhost", layout.address(0),
-            "-f", str(layout.hostfile), "-ppn", str(q), *genv]
-
-
-def in_login_node(layout: Layout) -> list[str]:
-    """The prefix that runs a command on node 0, the "login node" where mpiexec and the controller run."""
-    return ["ip", "netns", "exec", layout.names[0]]
-
-
-def mpiexec_command(layout: Layout, ranks: int | None = None, ranks_per_node: int | None = None,
-                    extra_env: dict | None = None) -> list[str]:
-    """The command line that runs ``ranks`` processes across the nodes (default: ranks_per_node on every
-    node); append the program."""
-    q = layout.ranks_per_node if ranks_per_node is None else ranks_per_node
-    return [*in_login_node(layout), layout.mpiexec, *mpiexec_args(layout, q, extra_env),
-            "-n", str(layout.nodes * q if ranks is None else ranks)]
-
-
-def ipcluster_command(layout: Layout, engines: int | None = None, cluster_id: str = "multi",
-                      ranks_per_node: int | None = None) -> list[str]:
-    """README's multi-node recipe, on these nodes: ``ipcluster start --engines=MPI --daemonize`` on node 0
-    with the controller listening on node 0's address (``--ip``; 127.0.0.1 would be unreachable from
-    the other nodes) and the engines started by the cluster's mpiexec with its hostfile. Connect from
-    node 0 (``in_login_node``): ``tplab.cluster.connect(cluster_id, n=engines)``. Engines fill the nodes
-    in order, ``ranks_per_node`` each (default: the hostfile's slots)."""
-    ipcluster = str(Path(layout.mpiexec).with_name("ipcluster"))
-    if not Path(ipcluster).exists():
-        ipcluster = shutil.which("ipcluster") or "ipcluster"
-    return [*in_login_node(layout), ipcluster, "start", "-n", str(engines or layout.ranks), "--engines=MPI",
-            f"--cluster-id={cluster_id}", "--daemonize", f"--ip={layout.address(0)}",
-            f"--MPILauncher.mpi_cmd={[layout.mpiexec]!r}", f"--MPILauncher.mpi_args={mpiexec_args(layout, ranks_per_node)!r}"]
