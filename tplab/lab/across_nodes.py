@@ -5,7 +5,8 @@ or a cluster's): MPI's node detection gives the nodes, no ``ranks_per_node`` is 
 
     fit       α, β, γ inside a node: ``fit_on`` the ranks of my node (every node at once, as in a
               collective); α, β between nodes: the first rank of each node exchanges with the next node's,
-              4 exchanges in a row per timing (measure_link): one flow through each node's link. A 4 MiB exchange by the
+              4 exchanges in a row per timing (measure_link): one flow through each node's link; α the
+              smallest message's time, β the slope between the two largest (``hockney``). A 4 MiB exchange by the
               first ranks alone, then by every rank at once, shows how the link is shared.
     sweep     ``tplab.lab.bench.sweep`` of the flat algorithms, hierarchical and MPI's built-in, on the
               world communicator: the inter-node messages cross the real (shaped) link.
@@ -24,7 +25,6 @@ import numpy as np
 
 from tplab.comm import world
 from tplab.cost import Machine, TwoLevelMachine, fit_on, predict
-from tplab.cost.fit import fit_line
 from tplab.lab.bench import sweep
 
 FLAT = ("ring", "recursive_doubling", "rabenseifner")
@@ -40,8 +40,7 @@ def fit_two_levels(comm, iters=10, sizes=FIT_SIZES):
     comm.barrier()
     inter = None
     if local.rank == 0:
-        alpha, beta = fit_line(measure_link(cross, sizes, iters=iters))
-        inter = Machine(alpha=alpha, beta=beta, gamma=0.0, name="between nodes")
+        inter = hockney(measure_link(cross, sizes, iters=iters))
     comm.barrier()
     # world rank 0 is local rank 0 of node 0, so it has both
     return comm.allgather_object(intra)[0], comm.allgather_object(inter)[0]
@@ -51,7 +50,9 @@ def measure_link(cross, sizes, iters=10, steps=4) -> list[dict]:
     """Per-step seconds of ``steps`` exchanges in a row with the next node (a chain, as an algorithm's
     crossing steps follow each other). Several in a row matter on a shaped link: its token bucket lets a
     burst (~1 ms of traffic) through at the wire's speed after a pause, which a single exchange after a
-    barrier would take for the link's rate. The slowest rank's median; the same rows on every rank."""
+    barrier would take for the link's rate. Per size the fastest of ``iters`` chains (the link is what
+    is measured, not the moments other processes took the cores; on a machine of few cores shared by
+    others the median is mostly the latter), the slowest rank's; the same rows on every rank."""
     right, left = (cross.rank + 1) % cross.size, (cross.rank - 1) % cross.size
     rows = []
     for size in sizes:
@@ -63,8 +64,19 @@ def measure_link(cross, sizes, iters=10, steps=4) -> list[dict]:
             for k in range(steps):
                 cross.sendrecv(out[k * size:(k + 1) * size], right, into, left)
             mine.append((time.perf_counter() - t0) / steps)
-        rows.append({"size": size, "time_s": max(cross.allgather_object(float(np.median(mine[2:]))))})
+        rows.append({"size": size, "time_s": max(cross.allgather_object(float(np.min(mine[2:]))))})
     return rows
+
+
+def hockney(rows) -> Machine:
+    """α, β the way Hockney read them off a ping-pong: α the time of the smallest message, β the slope
+    between the two largest (which the α of each cancels out of). A least-squares line through every
+    size would bend to the sizes in between, which a shaped link's token bucket lets through faster than
+    its rate, and to a loaded machine's noisy small messages."""
+    rows = sorted(rows, key=lambda r: r["size"])
+    (n1, t1), (n2, t2) = [(r["size"], r["time_s"]) for r in rows[-2:]]
+    beta = max((t2 - t1) / (n2 - n1), 1e-15)
+    return Machine(alpha=rows[0]["time_s"], beta=beta, gamma=0.0, name="between nodes")
 
 
 def measure_link_sharing(comm, nbytes=4 << 20, iters=5):
@@ -137,3 +149,46 @@ def crossover(rows, small="recursive_doubling", large="hierarchical", column="ti
         if all(by_size[s][large] < by_size[s][small] for s in sizes[i:]):
             return size
     return None
+
+
+# ---- a TP model split across the nodes ------------------------------------------------------------------
+def tp_groups(node_ids) -> dict:
+    """Rank groups that each hold one TP copy of the model: alone, inside node 0, across two nodes (the
+    first rank of node 0 and of node 1), and every rank. Rank 0 is in each (it reports)."""
+    q = node_ids.count(0)
+    groups = {"TP=1": [0], f"TP={q} inside a node": list(range(q))}
+    first_of_node_1 = node_ids.index(1)
+    groups["TP=2 across 2 nodes"] = [0, first_of_node_1]
+    groups[f"TP={len(node_ids)} across {len(set(node_ids))} nodes"] = list(range(len(node_ids)))
+    return groups
+
+
+def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
+    """Forward time of ``config``'s GPT split over each of ``tp_groups``, and what one forward pass sends
+    from rank 0 (bytes, messages: 2 all-reduces per block, plus the vocabulary-parallel embedding's and
+    head's). The same rows on every rank; the ranks outside a group wait sleeping."""
+    import torch
+
+    from tplab.models import GPT, parallelize
+    from tplab.models.speed import time_model_forward, timing_mode, wait_sleeping_for_rank_0
+
+    comm = world()
+    rows = []
+    for name, ranks in tp_groups(comm.node_ids()).items():
+        member = comm.rank in ranks
+        group = comm.split(color=0 if member else 1, key=comm.rank)
+        row = None
+        if member:
+            torch.manual_seed(0)
+            sharded = parallelize(GPT(config), group)
+            tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+            with timing_mode(threads=1):
+                group.reset_counters()
+                sharded(tokens)
+                sent = {"bytes_sent": group.bytes_sent, "messages_sent": group.messages_sent}
+                row = {"group": name, "tp": len(ranks), "nodes": len({comm.node_of(r) for r in ranks}),
+                       "batch": batch, "seq": seq, "n_layer": config.n_layer, "n_embd": config.n_embd,
+                       "link": link, **sent, **time_model_forward(sharded, tokens, group, iters=iters)}
+        wait_sleeping_for_rank_0(comm)
+        rows.append(comm.allgather_object(row)[0])
+    return rows

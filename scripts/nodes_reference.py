@@ -1,17 +1,20 @@
-"""Flat vs hierarchical all-reduce across real nodes, measured and predicted by the two-level model.
+"""Across real nodes: flat vs hierarchical all-reduce against the two-level model, and a TP model split
+across the nodes.
 
 On one Linux machine, as root (network namespaces; tplab.nodes brings them up and down around the run):
 
-    python scripts/nodes_allreduce.py --nodes 2 --ranks-per-node 2 --rate 1gbit \
-        --csv data/nodes_2x2_<machine>.csv
+    python scripts/nodes_reference.py --nodes 2 --ranks-per-node 2 --rate 1gbit \
+        --csv data/nodes_2x2_<machine>.csv --tp-csv data/nodes_tp_2x2_<machine>.csv
 
 On a cluster (or nodes already up), run the measuring part under the cluster's own mpiexec:
 
-    mpiexec -f hostfile -ppn 2 -n 4 python scripts/nodes_allreduce.py --inside --csv out.csv
+    mpiexec -f hostfile -ppn 2 -n 4 python scripts/nodes_reference.py --inside --csv out.csv --tp-csv tp.csv
 
-Prints, per size, each algorithm's measured and predicted time, the crossover (the size from which
-hierarchical beats recursive doubling) measured and predicted, and how many points the model gets
-within 25%. tplab.lab.across_nodes says what is fitted and how.
+All-reduce: prints, per size, each algorithm's measured and predicted time, the crossovers (the sizes
+from which hierarchical beats recursive doubling and the ring) measured and predicted, and how many
+points the model gets within 25% (tplab.lab.across_nodes says what is fitted and how). TP: the forward
+time of a small GPT on 1 rank, split inside a node, across two nodes and over every rank, with the bytes
+one forward pass sends.
 """
 
 import argparse
@@ -28,6 +31,8 @@ def inside(args) -> int:
     from tplab.comm import world
     from tplab.lab.across_nodes import crossover, flat_vs_hierarchical
 
+    if args.points == 0:
+        return tensor_parallel(args) or 0
     rows = flat_vs_hierarchical(SIZES[args.first: args.first + args.points], iters=args.iters, fit_iters=args.fit_iters, link=args.link, csv_path=args.csv)
     if world().rank == 0:
         import pandas as pd
@@ -52,7 +57,25 @@ def inside(args) -> int:
         print(f"hierarchical beats recursive doubling from: measured {crossover(rows)} B, "
               f"predicted {crossover(rows, column='predicted_us')} B; beats ring from: measured "
               f"{crossover(rows, 'ring')} B, predicted {crossover(rows, 'ring', column='predicted_us')} B")
+    if args.tp_csv:
+        tensor_parallel(args)
     return 0
+
+
+def tensor_parallel(args):
+    from tplab.comm import world
+    from tplab.lab.across_nodes import tp_across_nodes
+    from tplab.models import GPTConfig
+
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
+    rows = tp_across_nodes(config, batch=4, seq=64, iters=args.iters, link=args.link)
+    if world().rank == 0:
+        import pandas as pd
+
+        frame = pd.DataFrame(rows)
+        frame.to_csv(args.tp_csv, index=False)
+        print(frame[["group", "tp", "nodes", "bytes_sent", "messages_sent", "forward_ms", "forward_min_ms"]]
+              .to_string(index=False))
 
 
 def around(args) -> int:
@@ -67,6 +90,7 @@ def around(args) -> int:
         program = [sys.executable, __file__, "--inside", "--link", link, "--iters", str(args.iters),
                    "--fit-iters", str(args.fit_iters), "--points", str(args.points), "--first", str(args.first)]
         program += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
+        program += ["--tp-csv", str(Path(args.tp_csv).resolve())] if args.tp_csv else []
         return nodes.run_across(layout, program, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})[0]
     finally:
         nodes.down()
@@ -82,9 +106,10 @@ if __name__ == "__main__":
     parser.add_argument("--link", default="", help="a description of the link, stored in every row")
     parser.add_argument("--iters", type=int, default=5, help="timed calls per point (median)")
     parser.add_argument("--fit-iters", type=int, default=30, help="iterations per size of the α-β-γ fits")
-    parser.add_argument("--points", type=int, default=len(SIZES), help="how many sizes, from 16 B, 4x apart")
+    parser.add_argument("--points", type=int, default=len(SIZES), help="how many sizes, from 16 B, 4x apart (0: TP only)")
     parser.add_argument("--first", type=int, default=0, help="skip this many of the smallest sizes")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--tp-csv", default=None, help="also time a TP model split across the nodes, into this CSV")
     parser.add_argument("--timeout", type=int, default=900)
     arguments = parser.parse_args()
     sys.exit(inside(arguments) if arguments.inside else around(arguments))
