@@ -31,6 +31,19 @@ FLAT = ("ring", "recursive_doubling", "rabenseifner")
 FIT_SIZES = [8 << (2 * i) for i in range(11)]  # 8 B .. 8 MiB, 4x apart
 
 
+def machine_description(comm, link) -> str:
+    """For the CSVs' ``machine`` column: the CPU, its cores, the MPI library, the nodes' layout and link,
+    and the load average (other jobs on the same cores show in the timings)."""
+    import os
+
+    from tplab.toolkit.machine import cpu_model, mpi_library
+
+    nodes = comm.node_ids()
+    return (f"{cpu_model(short=True)}, {os.cpu_count()} cores, {mpi_library(short=True)}; {len(set(nodes))} nodes "
+            f"x {nodes.count(0)} ranks as network namespaces (tplab nodes), {link}; load average "
+            f"{os.getloadavg()[0]:.1f}")
+
+
 def fit_two_levels(comm, iters=10, sizes=FIT_SIZES):
     """(intra Machine, inter Machine): α, β, γ inside a node, fitted on every node at once; α, β between
     nodes for one flow through each node's link (only the first rank of each node measures). Collective,
@@ -115,6 +128,7 @@ def flat_vs_hierarchical(sizes, iters=5, fit_iters=10, algorithms=FLAT + ("hiera
     shared_model = TwoLevelMachine(intra, inter, q, shared_link=True)
     own_model = TwoLevelMachine(intra, inter, q)
     hosts = sorted(set(comm.allgather_object(socket.gethostname())))
+    where = machine_description(comm, link)
     rows = sweep("allreduce", list(algorithms), sizes, iters=iters, warmup=1, comm=comm)
     out = []
     for row in rows:
@@ -125,6 +139,7 @@ def flat_vs_hierarchical(sizes, iters=5, fit_iters=10, algorithms=FLAT + ("hiera
                 return math.nan
         predicted = model(shared_model)
         out.append({**row, "nodes": n_nodes, "ranks_per_node": q, "hosts": " ".join(hosts), "link": link,
+                    "machine": where,
                     "predicted_us": predicted, "error": predicted / row["time_us"] - 1,
                     "error_vs_min": predicted / row["min_us"] - 1,  # the fastest iteration: least disturbed
                     "predicted_own_links_us": model(own_model),
@@ -173,6 +188,7 @@ def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
     from tplab.models.speed import time_model_forward, timing_mode, wait_sleeping_for_rank_0
 
     comm = world()
+    where = machine_description(comm, link)
     rows = []
     for name, ranks in tp_groups(comm.node_ids()).items():
         member = comm.rank in ranks
@@ -188,7 +204,8 @@ def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
                 sent = {"bytes_sent": group.bytes_sent, "messages_sent": group.messages_sent}
                 row = {"group": name, "tp": len(ranks), "nodes": len({comm.node_of(r) for r in ranks}),
                        "batch": batch, "seq": seq, "n_layer": config.n_layer, "n_embd": config.n_embd,
-                       "link": link, **sent, **time_model_forward(sharded, tokens, group, iters=iters)}
+                       "link": link, "machine": where, **sent,
+                       **time_model_forward(sharded, tokens, group, iters=iters)}
         wait_sleeping_for_rank_0(comm)
         rows.append(comm.allgather_object(row)[0])
     return rows
