@@ -74,7 +74,8 @@ def tensor_parallel(args):
 
         frame = pd.DataFrame(rows)
         frame.to_csv(args.tp_csv, index=False)
-        print(frame[["group", "tp", "nodes", "bytes_sent", "messages_sent", "forward_ms", "forward_min_ms"]]
+        print(frame[["group", "tp", "nodes", "bytes_sent", "messages_sent", "forward_ms", "forward_min_ms",
+                     "block_allreduces_ms"]]
               .to_string(index=False))
 
 

@@ -178,10 +178,30 @@ def tp_groups(node_ids) -> dict:
     return groups
 
 
+def time_block_allreduces(config, batch, seq, group, iters) -> dict:
+    """The communication of the forward pass alone: its 2 all-reduces per block, each of the
+    batch x seq x hidden activations (float32), as the row-parallel layers call them. What TP adds to the
+    compute, with nothing else on the cores but the collectives."""
+    import tplab
+    from tplab.toolkit.timing import median_of_slowest, time_calls
+
+    x = np.ones(batch * seq * config.n_embd, np.float32)
+
+    def all_reduces():
+        for _ in range(2 * config.n_layer):
+            tplab.allreduce(x, group, check=False)
+
+    if group.size == 1:
+        return {"block_allreduces_ms": 0.0, "block_allreduces_min_ms": 0.0}
+    median, best = median_of_slowest(time_calls(all_reduces, iters=iters, warmup=2, barrier=group.barrier), group)
+    return {"block_allreduces_ms": median * 1e3, "block_allreduces_min_ms": best * 1e3}
+
+
 def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
-    """Forward time of ``config``'s GPT split over each of ``tp_groups``, and what one forward pass sends
-    from rank 0 (bytes, messages: 2 all-reduces per block, plus the vocabulary-parallel embedding's and
-    head's). The same rows on every rank; the ranks outside a group wait sleeping."""
+    """Forward time of ``config``'s GPT split over each of ``tp_groups``, what one forward pass sends from
+    rank 0 (bytes, messages: 2 all-reduces per block, plus the vocabulary-parallel embedding's and head's),
+    and the time of its blocks' all-reduces alone (``time_block_allreduces``). The same rows on every rank;
+    the ranks outside a group wait sleeping."""
     import torch
 
     from tplab.models import GPT, parallelize
@@ -205,7 +225,8 @@ def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
                 row = {"group": name, "tp": len(ranks), "nodes": len({comm.node_of(r) for r in ranks}),
                        "batch": batch, "seq": seq, "n_layer": config.n_layer, "n_embd": config.n_embd,
                        "link": link, "machine": where, **sent,
-                       **time_model_forward(sharded, tokens, group, iters=iters)}
+                       **time_model_forward(sharded, tokens, group, iters=iters),
+                       **time_block_allreduces(config, batch, seq, group, iters)}
         wait_sleeping_for_rank_0(comm)
         rows.append(comm.allgather_object(row)[0])
     return rows
