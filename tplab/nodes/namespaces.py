@@ -52,6 +52,9 @@ class NodesError(RuntimeError):
 
 @dataclass
 class Layout:
+    """What ``up`` makes: ``nodes`` namespaces with ``ranks_per_node`` MPI slots each in the hostfile, their
+    addresses in ``subnet`` (node k gets the (k+1)-th), each node's link shaped to ``rate`` (+ ``latency``)."""
+
     nodes: int = 2
     ranks_per_node: int = 2
     subnet: str = "10.213.0.0/24"
