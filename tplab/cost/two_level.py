@@ -27,10 +27,9 @@ not share the node's network card: GPU nodes with a NIC per GPU) unless ``shared
 node has one link for all its ranks (a CPU node with one NIC, or tplab.nodes' one interface per node):
 then a step's messages leaving one node for others share its bandwidth, each m bytes costing k·m·β₂
 when k of them leave the node together. Ring and leader steps have one such message per node, the
-hierarchical step across nodes has q, recursive doubling's and Rabenseifner's crossing steps p/N. Each
-message takes the α, β of its size where a Machine has two protocols (eager/rendezvous; on a shaped
-link, the token bucket's burst). And reductions run at one speed γ (the intra machine's: the sum is
-done in a node's memory whichever link brought the data). With intra == inter every algorithm but the
+hierarchical step across nodes has q, recursive doubling's and Rabenseifner's crossing steps p/N. And
+reductions run at one speed γ (the intra machine's: the sum is done in a node's memory whichever link
+brought the data). With intra == inter every algorithm but the
 hierarchical one costs exactly what the one-level model (formulas.py) says, which the tests check.
 """
 
@@ -76,9 +75,9 @@ class TwoLevelMachine:
             return 0.0
         leaving = Counter(self.node_of(a) for a, b, _ in messages if self.node_of(a) != self.node_of(b))
         def cost(a, b, nbytes):
-            alpha, beta = self.link(a, b).link(nbytes)  # the protocol (Machine.switch_bytes) by message size
+            link = self.link(a, b)
             share = leaving[self.node_of(a)] if self.shared_link and self.node_of(a) != self.node_of(b) else 1
-            return alpha + share * nbytes * beta
+            return link.alpha + share * nbytes * link.beta
         return self.intra.step + max(cost(a, b, nbytes) for a, b, nbytes in messages)
 
 
@@ -100,8 +99,7 @@ def _pairs(p, mask, bytes_sent_by):
 def _ring(p, n, m: TwoLevelMachine, itemsize):
     link = m.inter if m.node_of(p - 1) > 0 else m.intra  # more than one node: some ring link crosses
     b = Blocks(n, p, itemsize).largest
-    alpha, beta = link.link(b)
-    return 2 * (p - 1) * (alpha + m.intra.step + b * beta) + (p - 1) * b * m.gamma
+    return 2 * (p - 1) * (link.alpha + m.intra.step + b * link.beta) + (p - 1) * b * m.gamma
 
 
 def _recursive_doubling(p, n, m: TwoLevelMachine, itemsize):
@@ -158,7 +156,7 @@ def _hierarchical(p, n, m: TwoLevelMachine, itemsize):
     nodes = p // q
     part = Blocks(n, q, itemsize).largest  # each rank's share after the intra-node reduce-scatter
     piece = Blocks(part, nodes, itemsize).largest  # the ring across nodes cuts that share N ways
-    (a1, b1), (a2, b2), g = m.intra.link(part), m.inter.link(piece), m.gamma
+    a1, b1, a2, b2, g = m.intra.alpha, m.intra.beta, m.inter.alpha, m.inter.beta, m.gamma
     a1, a2 = a1 + m.intra.step, a2 + m.intra.step  # Python's bookkeeping per step (0 in the lecture model)
     if m.shared_link:
         b2 = q * b2  # the q ranks of a node cross at once, through the node's one link
@@ -173,10 +171,10 @@ def _leaders(p, n, m: TwoLevelMachine, itemsize):
     whole vector among the N leaders, binomial broadcast in the node; the fullest node sets the pace."""
     q, nodes = m.ranks_per_node, -(-p // m.ranks_per_node)
     rounds = ceil_lg(q)
+    intra, inter = m.intra, m.inter
     piece = Blocks(n, nodes, itemsize).largest
-    (a1, b1), (a2, b2), step = m.intra.link(n), m.inter.link(piece), m.intra.step
-    in_node = rounds * (a1 + step + n * b1)  # one tree, up or down
-    leaders = 2 * (nodes - 1) * (a2 + step + piece * b2) + (nodes - 1) * piece * m.gamma
+    in_node = rounds * (intra.alpha + intra.step + n * intra.beta)  # one tree, up or down
+    leaders = 2 * (nodes - 1) * (inter.alpha + intra.step + piece * inter.beta) + (nodes - 1) * piece * m.gamma
     return in_node + rounds * n * m.gamma + leaders + in_node
 
 
