@@ -182,8 +182,26 @@ def test_ipyparallel_cluster_across_the_nodes(two_nodes, tmp_path):
 
 
 @needs_namespaces
+def test_three_nodes_through_the_bridge():
+    """More than two nodes meet at the switch's bridge; 5 ranks on nodes of 2 fill them 2, 2, 1.
+    (After the tests above: bringing these up removes the module's 2 nodes.)"""
+    layout = nodes.up(nodes.Layout(nodes=3, ranks_per_node=2, rate="10gbit"))
+    try:
+        program = [sys.executable, "-c", "import socket; from mpi4py import MPI; from tplab.comm import world; "
+                   "seen = MPI.COMM_WORLD.gather(socket.gethostname()); ids = world().node_ids(); "
+                   "MPI.COMM_WORLD.rank or print('seen', seen, ids, flush=True)"]
+        rc, out = nodes.run_across(layout, program, ranks=5, timeout=60, capture=True, cwd=ROOT,
+                                   env={"PYTHONPATH": str(ROOT)})
+        assert rc == 0, out
+        names = ["tplab-node0"] * 2 + ["tplab-node1"] * 2 + ["tplab-node2"]
+        assert f"seen {names} [0, 0, 1, 1, 2]" in out, out
+    finally:
+        nodes.down()
+
+
+@needs_namespaces
 def test_a_failure_half_way_up_leaves_nothing(monkeypatch):
-    """up() tears down what it made when a step fails. (Last in the file: it also removes the nodes above.)"""
+    """up() tears down what it made when a step fails."""
     def broken_tc(name, *args, check=True):
         raise nodes.NodesError("tc broke")
 
