@@ -14,10 +14,14 @@ All-reduce: prints, per size, each algorithm's measured and predicted time, the 
 from which hierarchical beats recursive doubling and the ring) measured and predicted, and how many
 points the model gets within 25% (tplab.lab.across_nodes says what is fitted and how). TP: the forward
 time of a small GPT on 1 rank, split inside a node, across two nodes and over every rank, with the bytes
-one forward pass sends.
+one forward pass sends. With --emulated-csv, the all-reduce sweep again on one machine's plain mpiexec,
+EmulatedNetwork playing the link with the α, β fitted between the nodes: what section 4 of notebook 03
+would have predicted.
 """
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,6 +83,32 @@ def tensor_parallel(args):
               .to_string(index=False))
 
 
+def emulate(args) -> int:
+    """The same sweep on one machine's plain mpiexec, with EmulatedNetwork playing the link: its latency
+    and bandwidth are the α, β fitted between the real nodes (read from --emulate-from)."""
+    import pandas as pd
+
+    from tplab.comm import world
+    from tplab.lab.across_nodes import FLAT
+    from tplab.lab.bench import sweep_on_emulated_network
+
+    first = pd.read_csv(args.emulate_from).iloc[0]
+    latency, bandwidth = first.inter_alpha_us * 1e-6, first.inter_GBps * 1e9
+    rows = sweep_on_emulated_network("allreduce", list(FLAT) + ["hierarchical"], SIZES[args.first: args.first + args.points],
+                                     ranks_per_node=int(first.ranks_per_node), latency=latency, bandwidth=bandwidth,
+                                     iters=args.iters, warmup=1)
+    if world().rank == 0:
+        from tplab.toolkit.machine import cpu_model, mpi_library
+
+        machine = (f"{cpu_model(short=True)}, {os.cpu_count()} cores, {mpi_library(short=True)}; one machine, "
+                   f"{world().size} ranks, EmulatedNetwork; load average {os.getloadavg()[0]:.1f}")
+        frame = pd.DataFrame(rows).assign(link=f"EmulatedNetwork: {latency * 1e6:.1f} us, {bandwidth / 1e9:.3f} GB/s "
+                                               "per message between nodes, one link per rank", machine=machine)
+        frame.to_csv(args.emulated_csv, index=False)
+        print(frame.pivot(index="size", columns="algorithm", values="time_us").round(0).to_string())
+    return 0
+
+
 def around(args) -> int:
     """Bring the nodes up, run this script across them, bring them down (also after a failure)."""
     from tplab import nodes
@@ -92,9 +122,15 @@ def around(args) -> int:
                    "--fit-iters", str(args.fit_iters), "--points", str(args.points), "--first", str(args.first)]
         program += ["--csv", str(Path(args.csv).resolve())] if args.csv else []
         program += ["--tp-csv", str(Path(args.tp_csv).resolve())] if args.tp_csv else []
-        return nodes.run_across(layout, program, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})[0]
+        code = nodes.run_across(layout, program, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})[0]
     finally:
         nodes.down()
+    if code == 0 and args.emulated_csv and args.csv:  # the same ranks on one machine, the link emulated
+        program = [layout.mpiexec, "-n", str(layout.ranks), sys.executable, __file__, "--emulate-from",
+                   str(Path(args.csv).resolve()), "--emulated-csv", str(Path(args.emulated_csv).resolve()),
+                   "--iters", str(args.iters), "--points", str(args.points), "--first", str(args.first)]
+        code = subprocess.run(program, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=args.timeout).returncode
+    return code
 
 
 if __name__ == "__main__":
@@ -111,6 +147,10 @@ if __name__ == "__main__":
     parser.add_argument("--first", type=int, default=0, help="skip this many of the smallest sizes")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--tp-csv", default=None, help="also time a TP model split across the nodes, into this CSV")
+    parser.add_argument("--emulated-csv", default=None, help="then the same sweep with EmulatedNetwork playing the "
+                        "link (its α, β fitted between the nodes), on this machine's plain mpiexec, into this CSV")
+    parser.add_argument("--emulate-from", default=None, help="(internal) the nodes' CSV to take α, β from")
     parser.add_argument("--timeout", type=int, default=900)
     arguments = parser.parse_args()
-    sys.exit(inside(arguments) if arguments.inside else around(arguments))
+    sys.exit(emulate(arguments) if arguments.emulate_from else inside(arguments) if arguments.inside
+             else around(arguments))
