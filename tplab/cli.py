@@ -140,6 +140,9 @@ def cmd_nodes(args) -> int:
         elif args.action == "ipcluster":
             layout = nodes.current()
             full = nodes.ipcluster_command(layout, engines=args.ranks, cluster_id=args.cluster_id)
+            # a cluster of that id left by earlier nodes (down ended its processes) would block the start
+            stop = [*full[:full.index("start")], "stop", f"--cluster-id={args.cluster_id}"]
+            subprocess.run(stop, capture_output=True, timeout=60)
             print("+ " + " ".join(full), file=sys.stderr, flush=True)
             code = subprocess.run(full).returncode
             if code == 0:
@@ -211,7 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--latency", default="", help="up: added delay per packet, e.g. 20us (needs the kernel's netem)")
     p.add_argument("--subnet", default="10.213.0.0/24", help="up: private subnet inside the namespaces")
     p.add_argument("-n", "--ranks", type=int, default=None, help="run, ipcluster: MPI ranks (default: every slot)")
-    p.add_argument("--cluster-id", default="multi", help="ipcluster: the cluster's id (default multi)")
+    p.add_argument("--cluster-id", default="multi",
+                   help="ipcluster: the cluster's id (default multi; one of that id is stopped first)")
     p.add_argument("command", nargs="*", help="run: the program and its arguments, after --")
     p.set_defaults(func=cmd_nodes)
 
