@@ -200,6 +200,22 @@ def test_three_nodes_through_the_bridge():
 
 
 @needs_namespaces
+def test_the_command(capsys):
+    """tplab nodes up | status | run | login | down, as a user types them."""
+    try:
+        assert cli(["nodes", "up", "--nodes", "2", "--ranks-per-node", "1", "--rate", "1gbit", "--latency", "20us"]) == 0
+        said = capsys.readouterr().out
+        assert "10.213.0.2" in said and "1gbit" in said and ("netem" in said)
+        assert cli(["nodes", "status"]) == 0 and "tbf" in capsys.readouterr().out
+        assert cli(["nodes", "run", "--", sys.executable, "-c", "from mpi4py import MPI; assert MPI.COMM_WORLD.size == 2"]) == 0
+        assert cli(["nodes", "login", "--", "ip", "-br", "addr", "show", nodes.DEVICE]) == 0
+    finally:
+        assert cli(["nodes", "down"]) == 0
+    assert "removed tplab-node0, tplab-node1, tplab-switch" in capsys.readouterr().out
+    assert cli(["nodes", "run", "--", "true"]) == 1 and "no tplab nodes are up" in capsys.readouterr().err
+
+
+@needs_namespaces
 def test_a_failure_half_way_up_leaves_nothing(monkeypatch):
     """up() tears down what it made when a step fails."""
     def broken_tc(name, *args, check=True):
