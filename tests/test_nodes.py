@@ -144,6 +144,26 @@ def test_collectives_across_two_nodes(two_nodes, ranks_per_node):
     assert " passed" in out and "failed" not in out
 
 
+def bytes_sent_by(name):
+    stats = namespaces.in_node(name, "cat", f"/sys/class/net/{nodes.DEVICE}/statistics/tx_bytes").stdout
+    return int(stats)
+
+
+@needs_namespaces
+@pytest.mark.parametrize("ranks_per_node, through_the_link", [(1, True), (2, False)])
+def test_messages_between_nodes_take_the_link(two_nodes, ranks_per_node, through_the_link):
+    """Rank 0 sends 8 MiB to rank 1: on another node they leave through node 0's interface (TCP on the
+    shaped link); on the same node they do not (shared memory). Without MPI_ENV MPICH would take shared
+    memory for both: every rank runs on one machine."""
+    program = [sys.executable, "-c", "import numpy as np; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+               "x = np.ones(1 << 23, np.uint8); c.Send(x, 1) if c.rank == 0 else c.Recv(x, 0) if c.rank == 1 else None"]
+    before = bytes_sent_by("tplab-node0")
+    rc, out = mpi(two_nodes, ranks_per_node, program, timeout=60)
+    assert rc == 0, out
+    sent = bytes_sent_by("tplab-node0") - before
+    assert (sent > 8 << 20) if through_the_link else (sent < 1 << 20), f"{sent} bytes left node 0"
+
+
 @needs_namespaces
 def test_each_node_has_its_own_hostname(two_nodes):
     program = [sys.executable, "-c", "import socket; from mpi4py import MPI; "
