@@ -68,7 +68,7 @@ def inside(args) -> int:
 
 def tensor_parallel(args):
     from tplab.comm import world
-    from tplab.lab.across_nodes import tp_across_nodes
+    from tplab.lab.across_nodes import predict_block_allreduces, tp_across_nodes
     from tplab.models import GPTConfig
 
     config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=8, n_embd=256)
@@ -76,10 +76,12 @@ def tensor_parallel(args):
     if world().rank == 0:
         import pandas as pd
 
+        if args.csv:  # the model's view, from the α, β, γ fitted by the all-reduce part
+            rows = predict_block_allreduces(rows, pd.read_csv(args.csv).iloc[0])
         frame = pd.DataFrame(rows)
         frame.to_csv(args.tp_csv, index=False)
         print(frame[["group", "tp", "nodes", "bytes_sent", "messages_sent", "forward_ms", "forward_min_ms",
-                     "block_allreduces_ms"]]
+                     "block_allreduces_ms"] + (["predicted_block_allreduces_ms"] if args.csv else [])]
               .to_string(index=False))
 
 

@@ -230,3 +230,30 @@ def tp_across_nodes(config, batch=4, seq=64, iters=10, link=""):
         wait_sleeping_for_rank_0(comm)
         rows.append(comm.allgather_object(row)[0])
     return rows
+
+
+def predict_block_allreduces(tp_rows, fitted_row) -> list[dict]:
+    """``tp_rows`` (tp_across_nodes) with ``predicted_block_allreduces_ms``: the model's time of the blocks'
+    2·n_layer all-reduces, each the algorithm ``auto`` picks, from the α, β, γ fitted between and inside
+    the nodes (a row of flat_vs_hierarchical): inside a node on the intra Machine, 2 ranks on 2 nodes on
+    the inter one (every message crosses), more ranks on the TwoLevelMachine with one link per node."""
+    from dataclasses import replace
+
+    from tplab.collectives.auto import choose
+
+    intra = Machine(alpha=fitted_row["intra_alpha_us"] * 1e-6, beta=1e-9 / fitted_row["intra_GBps"],
+                    gamma=1e-9 / fitted_row["gamma_GBps"], entry=fitted_row["entry_us"] * 1e-6)
+    inter = replace(intra, alpha=fitted_row["inter_alpha_us"] * 1e-6, beta=1e-9 / fitted_row["inter_GBps"])
+    out = []
+    for row in tp_rows:
+        p, count = int(row["tp"]), int(row["batch"] * row["seq"] * row["n_embd"])
+        if p == 1:
+            out.append({**row, "predicted_block_allreduces_ms": 0.0})
+            continue
+        per_node = p // int(row["nodes"])
+        machine = intra if row["nodes"] == 1 else inter if per_node == 1 else \
+            TwoLevelMachine(intra, inter, per_node, shared_link=True)
+        algorithm = choose("allreduce", 4 * count, count, p)
+        one = predict("allreduce", algorithm, p, 4 * count, machine, itemsize=4)
+        out.append({**row, "predicted_block_allreduces_ms": 2 * row["n_layer"] * one * 1e3})
+    return out
