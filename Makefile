@@ -4,7 +4,7 @@
 #   make demo   start an MPI cluster of N engines, execute the notebooks into build/ (.ipynb, .html, and
 #               build/index.html linking them: a reading copy), stop it
 #   make test   check the import layers (lint-imports), run the whole test suite (unit, MPI at several rank
-#               counts, notebooks)
+#               counts, notebooks; as root with iproute2 also MPI across 2 nodes made of network namespaces)
 #   make browser-test  notebooks 00 and 01 run in a real browser: JupyterLab driven by the system's Chromium
 #               through Playwright (Run All, no errors, figures and the exercise report shown); screenshots
 #               in build/browser/. Needs chromium (Debian: apt-get install chromium), not `playwright install`

@@ -204,6 +204,22 @@ def test_hierarchical():
                                                                                  + leaders + tree)
 
 
+def test_shared_link_divides_the_nodes_bandwidth():
+    """One link per node (shared_link): k messages leaving a node in one step cost k·m·β₂ each; the ring
+    and the leaders have one per node (unchanged), hierarchical q, recursive doubling's crossing step q."""
+    n, q = 1 << 20, 4
+    own, shared = TwoLevelMachine(FAST, SLOW, q), TwoLevelMachine(FAST, SLOW, q, shared_link=True)
+    assert predict("allreduce", "ring", 8, n, shared) == predict("allreduce", "ring", 8, n, own)
+    assert predict("allreduce", "hierarchical", 6, n, shared) == predict("allreduce", "hierarchical", 6, n, own)
+    extra_hierarchical = 2 * (q - 1) * (n / 8) * SLOW.beta  # 2(N-1) = 2 steps of n/p, now q times the bytes
+    assert predict("allreduce", "hierarchical", 8, n, shared) == pytest.approx(
+        predict("allreduce", "hierarchical", 8, n, own) + extra_hierarchical)
+    extra_doubling = (q - 1) * n * SLOW.beta  # distance 4 crosses: all 4 ranks of a node send n at once
+    assert predict("allreduce", "recursive_doubling", 8, n, shared) == pytest.approx(
+        predict("allreduce", "recursive_doubling", 8, n, own) + extra_doubling)
+    assert TwoLevelMachine(FAST, FAST, q, shared_link=True).step([(0, 1, n), (2, 3, n)]) == FAST.alpha + n * FAST.beta
+
+
 # ---- error messages and the printed formulas ---------------------------------------------------------------
 def test_unknown_names_are_clear_errors():
     m = Machine(1e-6, 1e-10, 1e-11)

@@ -64,7 +64,7 @@ def test_notebook_02_and_03_outputs(executed):
     out, _ = executed
     figures = {p.name for p in (out / "figures").glob("0[23]_*.png")}
     for name in ["02_formulas", "02_fit", "02_model_vs_measured", "02_tp_ratio", "03_sweep", "03_osu_latency",
-                 "03_emulated_network", "03_emulated_network_model"]:
+                 "03_emulated_network", "03_emulated_network_model", "03_two_real_nodes", "03_tp_across_nodes"]:
         assert f"{name}.png" in figures, name
     import json
 

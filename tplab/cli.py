@@ -14,6 +14,10 @@
         -a peer_one_shot,nccl,symm_mem_one_shot,symm_mem_two_shot
                                      from CUDA graphs, next to the anchors (tplab.lab.anchors: NCCL,
                                      NCCL's symmetric kernels, torch's symmetric-memory all-reduces)
+    tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
+    tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
+    tplab nodes ipcluster -n 4 | login -- CMD | status | down
+                                     several nodes on this machine (network namespaces, root): tplab.nodes
 """
 
 from __future__ import annotations
@@ -149,6 +153,52 @@ def format_table(rows, osu=False) -> str:
     return "\n".join(lines)
 
 
+def cmd_nodes(args) -> int:
+    import subprocess
+
+    from tplab import nodes
+
+    try:
+        if args.action == "up":
+            layout = nodes.up(nodes.Layout(nodes=args.nodes, ranks_per_node=args.ranks_per_node, subnet=args.subnet,
+                                           rate=args.rate or None, latency=args.latency or None))
+            print(f"up: {layout.describe()}\nhostfile {layout.hostfile}\n"
+                  f"run across them: tplab nodes run -- python your_script.py")
+        elif args.action == "down":
+            removed = nodes.down()
+            print(f"down: removed {', '.join(removed)}" if removed else "down: no tplab nodes were up")
+        elif args.action == "status":
+            print(nodes.status())
+        elif args.action == "ipcluster":
+            layout = nodes.current()
+            full = nodes.ipcluster_command(layout, engines=args.ranks, cluster_id=args.cluster_id)
+            # a cluster of that id left by earlier nodes (down ended its processes) would block the start
+            stop = [*full[:full.index("start")], "stop", f"--cluster-id={args.cluster_id}"]
+            subprocess.run(stop, capture_output=True, timeout=60)
+            print("+ " + " ".join(full), file=sys.stderr, flush=True)
+            code = subprocess.run(full).returncode
+            if code == 0:
+                print(f"connect from node 0: tplab nodes login -- python -c \"import tplab.cluster as c; "
+                      f"print(c.connect('{args.cluster_id}', n={args.ranks or layout.ranks}).run_df(c.engine_rank))\"\n"
+                      f"stop: tplab nodes login -- ipcluster stop --cluster-id={args.cluster_id} (or tplab nodes down)")
+            return code
+        else:  # run, login
+            command = args.command
+            if not command:
+                print(f"tplab nodes {args.action}: give the program, e.g. tplab nodes {args.action} -- python try.py",
+                      file=sys.stderr)
+                return 2
+            layout = nodes.current()
+            full = (nodes.mpiexec_command(layout, ranks=args.ranks) if args.action == "run"
+                    else nodes.in_login_node(layout)) + command
+            print("+ " + " ".join(full), file=sys.stderr, flush=True)
+            return subprocess.run(full).returncode
+    except (nodes.NodesError, ValueError) as e:
+        print(f"tplab nodes {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tplab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,7 +243,29 @@ def main(argv=None) -> int:
                         "peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("nodes", help="several nodes on this machine: network namespaces joined by a shaped link "
+                                     "(root, iproute2), MPI across them with mpiexec and a hostfile")
+    p.add_argument("action", choices=["up", "down", "status", "run", "login", "ipcluster"],
+                   help="run: the program on every rank (mpiexec across the nodes); login: a command on node 0; "
+                        "ipcluster: an ipyparallel cluster with engines on every node")
+    p.add_argument("--nodes", type=int, default=2, help="up: how many nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="up: MPI slots per node in the hostfile (default 2)")
+    p.add_argument("--rate", default="10gbit", help="up: each node's outgoing rate, tc units (default 10gbit; '' = unshaped)")
+    p.add_argument("--latency", default="", help="up: added delay per packet, e.g. 20us (needs the kernel's netem)")
+    p.add_argument("--subnet", default="10.213.0.0/24", help="up: private subnet inside the namespaces")
+    p.add_argument("-n", "--ranks", type=int, default=None, help="run, ipcluster: MPI ranks (default: every slot)")
+    p.add_argument("--cluster-id", default="multi",
+                   help="ipcluster: the cluster's id (default multi; one of that id is stopped first)")
+    p.add_argument("command", nargs="*", help="run: the program and its arguments, after --")
+    p.set_defaults(func=cmd_nodes)
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program = []  # `tplab nodes run -- PROGRAM ...`: everything after -- is the program's, options included
+    if argv[:2] in (["nodes", "run"], ["nodes", "login"]) and "--" in argv:
+        argv, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = parser.parse_args(argv)
+    if program:
+        args.command = args.command + program
     return args.func(args)
 
 

@@ -4,6 +4,8 @@ Nodes are emulated with ``ranks_per_node`` (1, 2, 3 and p: many one-rank nodes, 
 leave an uneven last node for most p, and one node), so every layout runs on one machine.
 """
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -63,9 +65,18 @@ def test_with_timeout_carries_ranks_per_node():
 
 
 def test_real_nodes_detected():
-    """Under mpiexec on one machine every rank shares memory with every other: one node."""
+    """Under mpiexec on one machine every rank shares memory with every other: one node. Across the
+    network namespaces of ``tplab nodes`` (tests/test_nodes.py sets TPLAB_NODES_RANKS_PER_NODE) MPI finds
+    the real nodes, q consecutive ranks each, and hierarchical splits by them."""
+    q = min(int(os.environ.get("TPLAB_NODES_RANKS_PER_NODE", P)), P)
     c = MPIComm(COMM.Dup())
-    agree(c.node_ids() == [0] * P and c.ranks_per_node == P, f"{c.node_ids()}")
+    agree(c.node_ids() == expected_nodes(q) and c.ranks_per_node == q,
+          f"{c.node_ids()} (ranks_per_node {c.ranks_per_node}), expected {q} ranks per node")
+    local, cross = c.split_by_node()
+    want_local = [r for r in range(P) if r // q == COMM.rank // q]
+    want_cross = [r for r in range(P) if r % q == COMM.rank % q]
+    agree(local.allgather_object(COMM.rank) == want_local and cross.allgather_object(COMM.rank) == want_cross,
+          f"local {local.size}, cross {cross.size}")
 
 
 def test_bad_ranks_per_node():

@@ -23,13 +23,19 @@ That one rule is the whole model. What it says about the algorithms (p ranks, N 
                         tplab reduces to one leader per node, allreduces among leaders, broadcasts back.)
 
 Simplifications, said out loud: each rank has its own link to other nodes (q ranks crossing at once do
-not share the node's network card), and reductions run at one speed γ (the intra machine's: the sum is
-done in a node's memory whichever link brought the data). With intra == inter every algorithm but the
+not share the node's network card: GPU nodes with a NIC per GPU) unless ``shared_link=True`` says the
+node has one link for all its ranks (a CPU node with one NIC, or tplab.nodes' one interface per node):
+then a step's messages leaving one node for others share its bandwidth, each m bytes costing k·m·β₂
+when k of them leave the node together. Ring and leader steps have one such message per node, the
+hierarchical step across nodes has q, recursive doubling's and Rabenseifner's crossing steps p/N. And
+reductions run at one speed γ (the intra machine's: the sum is done in a node's memory whichever link
+brought the data). With intra == inter every algorithm but the
 hierarchical one costs exactly what the one-level model (formulas.py) says, which the tests check.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from tplab.collectives.fold import PowerOfTwoFold, largest_power_of_two_at_most
@@ -44,6 +50,7 @@ class TwoLevelMachine:
     inter: Machine  # links between ranks on different nodes
     ranks_per_node: int
     name: str = ""
+    shared_link: bool = False  # True: the q ranks of a node share one link to the other nodes
 
     def __post_init__(self):
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) \
@@ -66,8 +73,12 @@ class TwoLevelMachine:
         Python bookkeeping of a step (``Machine.step``, 0 in the lecture model), done on the node."""
         if not messages:
             return 0.0
-        slowest = max(self.link(a, b).alpha + nbytes * self.link(a, b).beta for a, b, nbytes in messages)
-        return self.intra.step + slowest
+        leaving = Counter(self.node_of(a) for a, b, _ in messages if self.node_of(a) != self.node_of(b))
+        def cost(a, b, nbytes):
+            link = self.link(a, b)
+            share = leaving[self.node_of(a)] if self.shared_link and self.node_of(a) != self.node_of(b) else 1
+            return link.alpha + share * nbytes * link.beta
+        return self.intra.step + max(cost(a, b, nbytes) for a, b, nbytes in messages)
 
 
 # ---- folding (fold.py): the first 2r ranks pair up -----------------------------------------------------------
@@ -147,6 +158,8 @@ def _hierarchical(p, n, m: TwoLevelMachine, itemsize):
     piece = Blocks(part, nodes, itemsize).largest  # the ring across nodes cuts that share N ways
     a1, b1, a2, b2, g = m.intra.alpha, m.intra.beta, m.inter.alpha, m.inter.beta, m.gamma
     a1, a2 = a1 + m.intra.step, a2 + m.intra.step  # Python's bookkeeping per step (0 in the lecture model)
+    if m.shared_link:
+        b2 = q * b2  # the q ranks of a node cross at once, through the node's one link
     reduce_scatter_in_node = (q - 1) * (a1 + part * b1 + part * g)
     allreduce_across_nodes = 2 * (nodes - 1) * (a2 + piece * b2) + (nodes - 1) * piece * g
     allgather_in_node = (q - 1) * (a1 + part * b1)
