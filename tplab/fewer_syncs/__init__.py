@@ -13,7 +13,7 @@
 from tplab.fewer_syncs.model import (
     BLOCK_TYPES,
     PATTERNS,
-    SEED_002_COMMUNICATIONS,
+    PROJECT_SYNC_COUNTS,
     FewerSyncsGPT,
     dense_gpt,
     stages_of,
@@ -30,7 +30,7 @@ from tplab.fewer_syncs.train import TrainConfig, learning_rate, train
 __all__ = [
     "BLOCK_TYPES",
     "PATTERNS",
-    "SEED_002_COMMUNICATIONS",
+    "PROJECT_SYNC_COUNTS",
     "BlockShard",
     "FewerSyncsGPT",
     "ParallelRun",

@@ -33,14 +33,14 @@ from tplab.fewer_syncs.tp_block import TPBlock
 
 BLOCK_TYPES = ("tp", "spd", "parallel")
 
-# seed 002's four Shakespeare configurations, by the seed's names, and the syncs the seed counts for them
+# the student project's four Shakespeare configurations, by its names, and the syncs it counts for them
 PATTERNS = {
     "baseline": ["tp"] * 4,
     "distributed": ["spd"] * 4,
     "spd-parallel": ["spd", "parallel"] * 2,
     "parallel-only": ["parallel"] * 4,
 }
-SEED_002_COMMUNICATIONS = {"baseline": 8, "distributed": 4, "spd-parallel": 4, "parallel-only": 2}
+PROJECT_SYNC_COUNTS = {"baseline": 8, "distributed": 4, "spd-parallel": 4, "parallel-only": 2}
 
 
 def check_pattern(pattern) -> list[str]:

@@ -32,10 +32,10 @@ from tplab.sequence.layer import SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import chunk_length, shard
 from tplab.toolkit.timing import slowest_median, time_calls
 
-# Seed 001 (harshita-mp/transformer-sequence-parallelism): hidden 5120, sequence 4096, batch 4, fp32,
-# all-gather K/V through CPU-staged mpi4py, 10 timed forward passes per point.
-SEED_001_CONFIG = {"hidden": 5120, "seq_len": 4096, "batch": 4, "dtype": "float32"}
-SEED_001 = [
+# The mpi4py course project (github.com/harshita-mp/transformer-sequence-parallelism): hidden 5120,
+# sequence 4096, batch 4, fp32, all-gather K/V through CPU-staged mpi4py, 10 timed forward passes per point.
+COURSE_PROJECT_CONFIG = {"hidden": 5120, "seq_len": 4096, "batch": 4, "dtype": "float32"}
+COURSE_PROJECT = [
     {"p": 1, "time_s": 0.947, "speedup": 1.00, "efficiency": 1.00, "tokens_per_s": 17295},
     {"p": 2, "time_s": 0.816, "speedup": 1.16, "efficiency": 0.58, "tokens_per_s": 20072},
     {"p": 4, "time_s": 1.010, "speedup": 0.94, "efficiency": 0.23, "tokens_per_s": 16218},
