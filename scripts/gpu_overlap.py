@@ -4,7 +4,7 @@
     NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1 mpiexec -n 4 python scripts/gpu_overlap.py OUT_DIR
     (Open MPI passes environment variables on with -x: mpiexec -x CUDA_DEVICE_MAX_CONNECTIONS=1 -x NCCL_NVLS_ENABLE=0 ...)
 
-One rank per GPU. Seed 001's configuration: hidden 5120, 40 heads, sequence 4096, batch 4, bf16, a
+One rank per GPU. The course project's configuration: hidden 5120, 40 heads, sequence 4096, batch 4, bf16, a
 4h GELU MLP, at p = 4: the block (LayerNorm, attention, LayerNorm, MLP, residuals; 2 all-reduces of
 b·s·h·2 B = 160 MiB each), its MLP and attention alone, and the MLP under sequence parallelism (all-gather
 of chunk i+1 and reduce-scatter of chunk i-1 while chunk i computes). For each (tplab.overlap.metrics):

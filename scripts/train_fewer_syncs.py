@@ -1,17 +1,17 @@
-"""Train seed 002's four block patterns on Tiny Shakespeare, one after another, on one device.
+"""Train the student project's four block patterns on Tiny Shakespeare, one after another, on one device.
 
     python scripts/train_fewer_syncs.py --device cuda --steps 2000 --out DIR     # the reference run (GPU)
     python scripts/train_fewer_syncs.py --device cpu --steps 300 --batch-size 12 --block-size 64 --out data
 
-Each configuration is a 4-layer, 4-head, 128-dimension character GPT (seed 002's size) with p = 4
+Each configuration is a 4-layer, 4-head, 128-dimension character GPT (the project's size) with p = 4
 simulated tensor-parallel ranks (SimulatedRanks: all shards on the one device, the all-reduces are sums),
 trained with nanoGPT's shakespeare_char recipe (tplab.fewer_syncs.train). Writes, as it goes:
 
     DIR/fewer_syncs_<cpu|gpu>_<machine>_curves.csv   train/val loss every --eval-interval steps
     DIR/fewer_syncs_<cpu|gpu>_<machine>_table.csv    the final table: one row per configuration
 
-with a ``machine`` column naming the device, and prints the table (final validation loss next to seed
-002's claim of ~1.45-1.50 for all four, time per training step, all-reduces per forward pass).
+with a ``machine`` column naming the device, and prints the table (final validation loss next to the
+project's claim of ~1.45-1.50 for all four, time per training step, all-reduces per forward pass).
 Text: --data-dir, else TPLAB_DATA_DIR, the cache, or a download (tplab.lab.data).
 """
 

@@ -1,4 +1,4 @@
-"""Seed 002's blocks on real ranks: the TP block is the unsplit block; every block type and model on p
+"""The student project's blocks on real ranks: the TP block is the unsplit block; every block type and model on p
 ranks equals its single-process simulation (float64, ~1e-12); the all-reduces counted match the formulas."""
 
 import pytest

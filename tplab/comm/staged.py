@@ -3,7 +3,7 @@
 Three ways to move a GPU buffer with MPI, chosen by ``mode``:
 
     naive       copy the whole message GPU -> host, MPI, host -> GPU, one step after the other
-                (what seed 001 did: time = copy + wire + copy, and the copies use pageable memory)
+                (what the course project did: time = copy + wire + copy, and the copies use pageable memory)
     pipelined   cut the message into chunks of ``chunk_bytes`` staged through pinned (page-locked) host
                 buffers: while chunk k crosses MPI, chunk k+1 is being copied off the GPU and chunk k-1 on
                 to it, so for large messages the time tends to max(copy, wire) instead of their sum

@@ -15,7 +15,7 @@ it falls with p, the all-gather's grows towards 2·N·h_kv.
 
     attention_bytes("ring", batch=4, seq_len=4096, hidden=5120, p=4)     # bytes per rank
     causal_work(seq_len=4096, p=4, layout="contiguous")                 # score pairs per rank
-    staged_vs_direct(4, 4096, 5120, p=4, compute_time_1=0.236)          # seed 001's slowdown, explained
+    staged_vs_direct(4, 4096, 5120, p=4, compute_time_1=0.236)          # the course project's slowdown, explained
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def sp_vs_tp(batch, seq_len, hidden, p, *, num_heads, num_kv_heads=None, bytes_p
 def staged_vs_direct(batch, seq_len, hidden, p, *, compute_time_1, kv_hidden=None, bytes_per_element=4,
                      pcie_bandwidth=12e9, host_bandwidth=4e9, host_alpha=20e-6, link_bandwidth=300e9,
                      link_alpha=20e-6, gathers=2) -> list[dict]:
-    """Seed 001's layer (all-gather K/V) on p GPUs: why CPU staging made 4 GPUs slower than one, and
+    """The course project's layer (all-gather K/V) on p GPUs: why CPU staging made 4 GPUs slower than one, and
     what direct GPU transfers leave. Returns one row per path with the time broken down.
 
     Each of the ``gathers`` all-gathers moves a shard of m = b·(s/p)·h_kv·e bytes per rank into the full

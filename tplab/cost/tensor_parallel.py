@@ -36,7 +36,7 @@ def _positive_number(name, value):
 def tensor_parallel_allreduce_cost(hidden_size, sequence_length, batch_size, num_gpus, num_layers,
                                    bytes_per_element=2, bandwidth_gb_per_sec=300.0,
                                    allreduces_per_layer=2) -> dict:
-    """The all-reduce traffic of tensor-parallel forward passes (seed problem 003).
+    """The all-reduce traffic of tensor-parallel forward passes.
 
     The all-reduced activation has shape (batch_size, sequence_length, hidden_size). With the ring
     algorithm each GPU sends 2(p-1)/p of it per all-reduce; ``allreduces_per_layer`` of those per layer,

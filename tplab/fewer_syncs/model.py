@@ -1,12 +1,12 @@
-"""A character-level GPT whose blocks follow a pattern of block types: seed 002's experiment.
+"""A character-level GPT whose blocks follow a pattern of block types: the student project's experiment.
 
     ranks = SimulatedRanks(4)                     # or RealRanks(tplab.comm.world())
     model = FewerSyncsGPT.create(["spd", "parallel"] * 2, ranks, vocab_size=65)
     logits, loss = model(tokens, targets)         # tokens (b, s) -> logits (b, s, vocab)
 
-The four configurations of seed 002 (4 layers, 4 heads, 128 dimensions) are ``PATTERNS``. A pattern is
+The four configurations of the student project (4 layers, 4 heads, 128 dimensions) are ``PATTERNS``. A pattern is
 grouped into stages: each 'tp' and 'spd' entry is a block of its own, each run of consecutive
-'parallel' entries one ParallelRun. Embeddings, final norm and LM head are replicated, as in the seed
+'parallel' entries one ParallelRun. Embeddings, final norm and LM head are replicated, as in the project
 (a 65-character vocabulary is not worth splitting): they cost no communication.
 
 All-reduces per forward pass, each moving one (b, s, h) activation (``syncs_per_forward``):

@@ -3,7 +3,7 @@
     scaling_study(comm, hidden=64, heads=4, seq_len=512, batch=2, mode="strong")   rows, one per p
     causal_balance(comm, seq_len=1024, heads=4, head_dim=16)                       rows, one per rank
 
-Metrics as seed 001 reported them: forward time (the slowest rank's median), speedup and parallel
+Metrics as the course project reported them: forward time (the slowest rank's median), speedup and parallel
 efficiency against the unsplit layer on one rank, tokens per second. Strong scaling keeps the problem
 (b, s) and adds ranks; weak scaling keeps s/p tokens per rank, so the sequence grows with p — and
 attention's s² work with it, which no number of ranks hides (``ideal_time_s`` says how much).
@@ -108,7 +108,7 @@ def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=
     try:
         block = make_block(hidden, heads, dtype=dtype, device=where)
         whole = unsplit_layer(block, causal=causal)  # the same layer, all tokens on one rank
-        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU";
+        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as the course project's "1 GPU";
         # warmed up twice over, since the very first calls of a process pay for allocations and caches
         base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype, device=where), iters,
                              2 * warmup + 2, cuda) if comm.rank == 0 else None
