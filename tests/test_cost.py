@@ -77,7 +77,7 @@ def test_tp_allreduce_cost_rejects_bad_input(bad):
         tensor_parallel_allreduce_cost(**args)
 
 
-# ---- the formulas are the lecture table (REFERENCE s.1) for powers of two ------------------------------------
+# ---- the formulas are the lecture table (Thakur, Rabenseifner & Gropp 2005) for powers of two ----------------
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 64])
 def test_powers_of_two_match_the_table(p):
     n, lg = 1024 * p, int(math.log2(p))
@@ -117,7 +117,7 @@ def test_folded_recursive_doubling_and_rabenseifner():
     n = 4096
     # p = 6 = 4 + 2: fold in (n, reduce n), lg 4 = 2 exchanges of n, fold out (n)
     assert coefficients("allreduce", "recursive_doubling", 6, n) == (4, 4 * n, 3 * n)
-    # REFERENCE's (2 lg p' + 2) α + (2(p'-1)/p' + 2) n β + (1 + (p'-1)/p') n γ, with p' = 4 blocks
+    # Thakur, Rabenseifner & Gropp's (2 lg p' + 2) α + (2(p'-1)/p' + 2) n β + (1 + (p'-1)/p') n γ, with p' = 4 blocks
     assert coefficients("allreduce", "rabenseifner", 6, n) == (6, (2 * 3 / 4 + 2) * n, (1 + 3 / 4) * n)
     assert coefficients("allreduce", "tree", 5, n) == (6, 6 * n, 3 * n)  # ⌈lg 5⌉ = 3 rounds each way
     assert coefficients("allreduce", "naive", 3, n) == (4, 4 * n, 2 * n)

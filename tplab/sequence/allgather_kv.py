@@ -8,7 +8,7 @@ a query needs all keys and values, never the other queries. So
     V = all-gather(v)
     out = softmax(q Kᵀ / √d) V    (b, n, s/p, d)   my queries against every key
 
-Bytes sent per rank (ring all-gather): 2 (p-1)/p · b·s·h_kv · bytes (REFERENCE s.5; h_kv = n_kv·d).
+Bytes sent per rank (ring all-gather): 2 (p-1)/p · b·s·h_kv · bytes (tplab.cost.sequence_parallel; h_kv = n_kv·d).
 Memory: the full K and V on every rank, O(s) — what ring attention (ring.py) avoids.
 
 Causal attention: a query at position t sees keys 0..t. For each of my chunks (layout.py) the keys it

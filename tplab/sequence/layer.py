@@ -13,7 +13,7 @@ mixes tokens:
 
 so the layer equals the unsplit ``tplab.models.gpt.Block`` on the full sequence, token for token.
 Compare tensor parallelism (tplab.layers): weights split p ways, two all-reduces of b·s·h per layer.
-Here: weights replicated, per layer only the attention scheme's bytes (REFERENCE s.5).
+Here: weights replicated, per layer only the attention scheme's bytes (tplab.cost.sequence_parallel).
 
     block = Block(GPTConfig(n_embd=64, n_head=4))            # the same weights on every rank
     layer = SequenceParallelBlock(block, comm, scheme="ring", layout="zigzag")
