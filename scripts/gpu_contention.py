@@ -1,5 +1,5 @@
 """What running next to each other costs: a transformer block's compute and its all-reduces, alone and
-together on one GPU per rank (issue 7: why overlapped communication is not free).
+together on one GPU per rank (notebook 06: why overlapped communication is not free).
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_contention.py [OUT_DIR] \\
         --paths "torch.distributed,tplab peer,tplab copy engine" --peer-blocks 8,16,32 --sm-carveouts 0,16

@@ -1,4 +1,4 @@
-"""Communication/computation overlap of a bf16 tensor-parallel transformer layer on GPUs (issue 7).
+"""Communication/computation overlap of a bf16 tensor-parallel transformer layer on GPUs (notebook 06).
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_overlap.py [OUT_DIR]     # default build/gpu
     NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1 mpiexec -n 4 python scripts/gpu_overlap.py OUT_DIR
@@ -49,7 +49,7 @@ first and let it fill the GPU, so the communication kernel waits and less is hid
 
 Outputs in OUT_DIR: overlap_gpu-<card>-x<p>_cdmc-<value>.csv (one row per layer, path and k, with a
 `machine` column naming the card), a timeline of the block at k=4 as Chrome trace JSON and PNG (CUDA events
-on the compute and the communication stream), and a summary printed by rank 0. Acceptance (issue 7): the
+on the compute and the communication stream), and a summary printed by rank 0. The target (notebook 06): the
 block's exposed communication <= 25% of its standalone communication (hidden_fraction >= 0.75) for some k.
 
 `--device cpu` runs the same measurement on CPU ranks in float32, through tplab's MPI communicator and its

@@ -16,7 +16,8 @@ after the kernel that produced a message and before the one that consumes it; th
 chunk's copy (an event) before handing it to MPI, since MPI knows nothing of streams.
 
 ``builtin_*`` stage the whole vector and call the MPI library's collective on the host copy (direct
-mode: on the GPU buffer), which is the "host MPI all-reduce of GPU data" baseline of issue 6 (P6).
+mode: on the GPU buffer), which is the "host MPI all-reduce of GPU data" baseline of
+scripts/gpu_collectives.py.
 """
 
 from __future__ import annotations
