@@ -9,7 +9,7 @@
 2. Timing, float32 sum, 1 KiB .. 256 MiB per rank: NCCL's all-reduce (called straight through CuPy's
    binding; also through torch.distributed when it starts), tplab's builtin wrapper, ring, recursive
    doubling, Rabenseifner over NcclComm, ring over MPI staging (pipelined), the host-staged MPI_Allreduce
-   (seed 001's way) and MPI_Allreduce on host arrays of the same size. Each point: warm-up, then each
+   (the course project's way) and MPI_Allreduce on host arrays of the same size. Each point: warm-up, then each
    iteration started together (stream synchronised, MPI barrier) and timed with CUDA events (host clock
    for host MPI); time_us = the slowest rank's median; wrong = elements off NCCL's result.
    -> allreduce.csv in nccl-tests columns with the machine (GPU name, NCCL version) in every row.

@@ -1,5 +1,5 @@
 """What running next to each other costs: a transformer block's compute and its all-reduces, alone and
-together on one GPU per rank (issue 7: why overlapped communication is not free).
+together on one GPU per rank (notebook 06: why overlapped communication is not free).
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_contention.py [OUT_DIR] \\
         --paths "torch.distributed,tplab peer,tplab copy engine" --peer-blocks 8,16,32 --sm-carveouts 0,16
@@ -8,7 +8,7 @@ Overlap hides communication only where running it next to the compute costs less
 The two compete: for multiprocessors (cuBLAS sizes a GEMM's waves for all 132 SMs of an H100; NCCL's and
 tplab's kernels each hold some), for memory bandwidth, and (copy engines) for nothing else. Per path:
 
-    compute_ms        seed 001's block for one micro-batch of 4096 tokens at p=4 (QKV, causal flash
+    compute_ms        the course project's block for one micro-batch of 4096 tokens at p=4 (QKV, causal flash
                       attention, output projection, MLP: the shapes one rank computes), ``--units`` times
     comm_ms           the all-reduces of those micro-batches alone (2 x 40 MiB bf16 each), one after another
     together_ms       both queued at once on two streams (communication on the high-priority one),
@@ -119,10 +119,10 @@ def main():
     parser.add_argument("--paths", default="torch.distributed,tplab peer,tplab copy engine")
     parser.add_argument("--peer-blocks", default="8,16,32")
     parser.add_argument("--sm-carveouts", default="0,16")
-    parser.add_argument("--tokens", type=int, default=4096, help="one micro-batch (seed 001: 1 sequence of 4096)")
+    parser.add_argument("--tokens", type=int, default=4096, help="one micro-batch (the course project: 1 sequence of 4096)")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
-    parser.add_argument("--units", type=int, default=4, help="micro-batches: seed 001's batch of 4")
+    parser.add_argument("--units", type=int, default=4, help="micro-batches: the course project's batch of 4")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tag", default="")

@@ -1,10 +1,10 @@
-"""Seed 002's block patterns on real GPU ranks: how much of a forward pass (and a training step) is
+"""The student project's block patterns on real GPU ranks: how much of a forward pass (and a training step) is
 spent in the all-reduces each pattern keeps, and how much each pattern saves against full TP.
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_fewer_syncs_comm.py [OUT_DIR]
 
 One MPI rank per GPU, tplab's collectives over ``tplab.comm.nccl_world()`` (NCCL point-to-point; with
-``--algorithm builtin`` NCCL's own all-reduce). For each size (seed 002's 128-dimension model, and a
+``--algorithm builtin`` NCCL's own all-reduce). For each size (the project's 128-dimension model, and a
 wider one where communication weighs more) and each pattern: forward and step times, the time inside the
 collectives (tplab.fewer_syncs.comm_time: the stopwatch waits for the GPU at every reading), each the
 slowest rank's median. Writes OUT_DIR/fewer_syncs_comm_gpu_<card>.csv with a ``machine`` column.

@@ -1,10 +1,10 @@
-"""Communication/computation overlap of a bf16 tensor-parallel transformer layer on GPUs (issue 7).
+"""Communication/computation overlap of a bf16 tensor-parallel transformer layer on GPUs (notebook 06).
 
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_overlap.py [OUT_DIR]     # default build/gpu
     NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1 mpiexec -n 4 python scripts/gpu_overlap.py OUT_DIR
     (Open MPI passes environment variables on with -x: mpiexec -x CUDA_DEVICE_MAX_CONNECTIONS=1 -x NCCL_NVLS_ENABLE=0 ...)
 
-One rank per GPU. Seed 001's configuration: hidden 5120, 40 heads, sequence 4096, batch 4, bf16, a
+One rank per GPU. The course project's configuration: hidden 5120, 40 heads, sequence 4096, batch 4, bf16, a
 4h GELU MLP, at p = 4: the block (LayerNorm, attention, LayerNorm, MLP, residuals; 2 all-reduces of
 b·s·h·2 B = 160 MiB each), its MLP and attention alone, and the MLP under sequence parallelism (all-gather
 of chunk i+1 and reduce-scatter of chunk i-1 while chunk i computes). For each (tplab.overlap.metrics):
@@ -49,7 +49,7 @@ first and let it fill the GPU, so the communication kernel waits and less is hid
 
 Outputs in OUT_DIR: overlap_gpu-<card>-x<p>_cdmc-<value>.csv (one row per layer, path and k, with a
 `machine` column naming the card), a timeline of the block at k=4 as Chrome trace JSON and PNG (CUDA events
-on the compute and the communication stream), and a summary printed by rank 0. Acceptance (issue 7): the
+on the compute and the communication stream), and a summary printed by rank 0. The target (notebook 06): the
 block's exposed communication <= 25% of its standalone communication (hidden_fraction >= 0.75) for some k.
 
 `--device cpu` runs the same measurement on CPU ranks in float32, through tplab's MPI communicator and its

@@ -7,28 +7,28 @@
 #   NP=8 STAGES="peer collectives models sequence graphs" bash scripts/gpu_reference_run.sh   # an 8-GPU node: TP=8
 #
 # Stages (each under its own time limit, so one failure does not cost the others):
-#   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (issue 9); a node
+#   train        scripts/train_fewer_syncs.py, the four block patterns at once, one GPU each (notebook 08); a node
 #                without internet needs TPLAB_DATA_DIR set to a folder holding tinyshakespeare.txt
-#   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (issue 7): NCCL
+#   overlap      scripts/gpu_overlap.py at p = 4, CUDA_DEVICE_MAX_CONNECTIONS default and 1 (notebook 06): NCCL
 #                (torch.distributed), tplab's copy-engine all-reduce and its peer-memory two-shot
 #   contention   scripts/gpu_contention.py at p = 4: the block's compute and its all-reduces alone and together
 #                on one GPU, per path (NCCL default and at NCCL_MAX_CTAS=8, tplab peer 8/16/32 blocks, copy
-#                engines), cuBLAS SM carveout 0 and 16 (issue 7: what overlap costs)
+#                engines), cuBLAS SM carveout 0 and 16 (notebook 06: what overlap costs)
 #   microbatch   scripts/gpu_overlap.py at p = 4, the block in micro-batches (k = 1, 2, 4), its last MLP in
-#                1 or 4 pieces, carveout 0 and 16, NCCL / copy engines / peer 16 and 32 blocks (issue 7: P5);
+#                1 or 4 pieces, carveout 0 and 16, NCCL / copy engines / peer 16 and 32 blocks (notebook 06);
 #                MB_ENV sets NAME=VALUE pairs on every rank, MB_TAG names the file
 #                (e.g. MB_ENV="CUDA_DEVICE_MAX_CONNECTIONS=1" MB_TAG=cdmc1)
 #   graphs       tests/gpu/test_gpu_overlap.py at p = 4, then scripts/gpu_overlap.py --graphs at p = 4: every
 #                variant replayed from a CUDA graph (the host out of the way), one block and a stack of 4 in
 #                micro-batches (GRAPH_LAYERS), tails 1 and 2, NCCL / copy engines / peer 32 blocks, 2 repeats
-#                (GRAPH_REPEATS) (issue 7: P5)
-#   collectives  scripts/gpu_collectives.py at p = 4 and 2, examples/gpu_ipc_allreduce.py at p = 4 (issue 6)
+#                (GRAPH_REPEATS) (notebook 06: hiding 75% of the communication)
+#   collectives  scripts/gpu_collectives.py at p = 4 and 2, examples/gpu_ipc_allreduce.py at p = 4 (notebooks 01, 03)
 #   peer         tests/gpu at p = 4, 3, 2 (scripts/gpu_tests.sh), then scripts/gpu_peer_allreduce.py at p = 4
-#                and 2: the flag-synchronised peer-memory and copy-engine all-reduces against NCCL (issue 6)
-#   sequence4    scripts/gpu_sequence_parallel.py at p = 4 only, strong scaling (P4; p = 1 is timed inside)
-#   models       scripts/gpu_models.py at p = 1, 2, 4 (issue 4)
-#   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (issue 5)
-#   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of seed 002's patterns (issue 9)
+#                and 2: the flag-synchronised peer-memory and copy-engine all-reduces against NCCL (notebooks 01, 03)
+#   sequence4    scripts/gpu_sequence_parallel.py at p = 4 only, strong scaling (p = 1 is timed inside)
+#   models       scripts/gpu_models.py at p = 1, 2, 4 (notebook 04)
+#   sequence     scripts/gpu_sequence_parallel.py at p = 1, 2, 4 (notebook 05)
+#   syncs        scripts/gpu_fewer_syncs_comm.py at p = 4: comm time per forward of the four block patterns (notebook 08)
 #   alltoall     tests/gpu/test_gpu_alltoall.py, then scripts/gpu_alltoall.py at p = 4: tplab's all-to-all
 #                (pairwise, Bruck) and all-to-all-v over NCCL point-to-point next to NCCL's all_to_all_single
 #                (mixture-of-experts dispatch/combine: decode and prefill sizes; notebook 09)

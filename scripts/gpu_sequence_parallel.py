@@ -1,4 +1,4 @@
-"""Seed 001's sequence-parallel scaling study on GPUs: CPU-staged MPI next to direct GPU transfers.
+"""The course project's sequence-parallel scaling study on GPUs: CPU-staged MPI next to direct GPU transfers.
 
 One MPI rank per GPU; run it once per p (the world size is p), all runs appending to one CSV:
 
@@ -6,12 +6,12 @@ One MPI rank per GPU; run it once per p (the world size is p), all runs appendin
       PYTHONPATH=$PWD mpiexec -n $p python3 scripts/gpu_sequence_parallel.py [OUT_DIR]      # Open MPI as root:
     done                                                                                  #  --allow-run-as-root
 
-Seed 001's layer (tplab.sequence.SequenceParallelBlock: LayerNorm, Q/K/V, attention, output projection,
+The course project's layer (tplab.sequence.SequenceParallelBlock: LayerNorm, Q/K/V, attention, output projection,
 MLP; the tokens split over the GPUs, the weights replicated) at its configuration (hidden 5120, sequence
 4096, batch 4; 40 heads; fp32, and bf16), strong scaling (the same problem on p GPUs) and weak scaling
 (sequence 4096·p). Paths for the two all-gathers of K and V, side by side in the same run on the same GPUs:
 
-    staged_ring   seed 001's path: shard.cpu() -> tplab's ring all-gather over host MPI -> .to("cuda")
+    staged_ring   the course project's path: shard.cpu() -> tplab's ring all-gather over host MPI -> .to("cuda")
     staged_mpi    the same with the MPI library's own MPI_Allgatherv on the host copies
     direct_ring   tplab's ring all-gather over tplab.comm.nccl (NCCL send/recv, GPU to GPU over NVLink)
     direct_nccl   NCCL's own all-gather (ncclAllGather) through the same communicator: the vendor
@@ -292,7 +292,7 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
-    parser.add_argument("--causal", action="store_true", help="causal attention (seed 001: full attention)")
+    parser.add_argument("--causal", action="store_true", help="causal attention (the course project: full attention)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-components", action="store_true")
@@ -330,7 +330,7 @@ def main():
     for dtype_name in args.dtypes.split(","):
         block = make_block(args.hidden, args.heads, dtype=DTYPES[dtype_name], device=args.device, seed=0)
         same_everywhere(list(block.parameters()), host)  # sequence parallelism replicates the weights
-        whole = unsplit_layer(block, causal=args.causal)  # seed 001's "1 GPU": the layer, all tokens
+        whole = unsplit_layer(block, causal=args.causal)  # the course project's "1 GPU": the layer, all tokens
         x_start = make_input(args.batch, args.seq, args.hidden, dtype=DTYPES[dtype_name], device=args.device, seed=1)
         same_everywhere([x_start], host)
         base = unsplit_time(whole, x_start, host, args)  # the starting problem on one GPU

@@ -1,17 +1,17 @@
-"""Train seed 002's four block patterns on Tiny Shakespeare, one after another, on one device.
+"""Train the student project's four block patterns on Tiny Shakespeare, one after another, on one device.
 
     python scripts/train_fewer_syncs.py --device cuda --steps 2000 --out DIR     # the reference run (GPU)
     python scripts/train_fewer_syncs.py --device cpu --steps 300 --batch-size 12 --block-size 64 --out data
 
-Each configuration is a 4-layer, 4-head, 128-dimension character GPT (seed 002's size) with p = 4
+Each configuration is a 4-layer, 4-head, 128-dimension character GPT (the project's size) with p = 4
 simulated tensor-parallel ranks (SimulatedRanks: all shards on the one device, the all-reduces are sums),
 trained with nanoGPT's shakespeare_char recipe (tplab.fewer_syncs.train). Writes, as it goes:
 
     DIR/fewer_syncs_<cpu|gpu>_<machine>_curves.csv   train/val loss every --eval-interval steps
     DIR/fewer_syncs_<cpu|gpu>_<machine>_table.csv    the final table: one row per configuration
 
-with a ``machine`` column naming the device, and prints the table (final validation loss next to seed
-002's claim of ~1.45-1.50 for all four, time per training step, all-reduces per forward pass).
+with a ``machine`` column naming the device, and prints the table (final validation loss next to the
+project's claim of ~1.45-1.50 for all four, time per training step, all-reduces per forward pass).
 Text: --data-dir, else TPLAB_DATA_DIR, the cache, or a download (tplab.lab.data).
 """
 
@@ -27,7 +27,7 @@ import time
 import torch
 
 from tplab.lab.data import CharData, tiny_shakespeare
-from tplab.fewer_syncs import PATTERNS, SEED_002_COMMUNICATIONS, SimulatedRanks, TrainConfig, train
+from tplab.fewer_syncs import PATTERNS, PROJECT_SYNC_COUNTS, SimulatedRanks, TrainConfig, train
 from tplab.toolkit.machine import cpu_model
 
 
@@ -100,19 +100,19 @@ def main(argv=None) -> int:
         last = rows[-1]
         table.append({"config": name, "pattern": last["pattern"], "p": last["p"], "steps": cfg.steps,
                       "val_loss": last["val_loss"], "train_loss": last["train_loss"],
-                      "best_val_loss": min(r["val_loss"] for r in rows), "seed_002_val_loss": "1.45-1.50",
+                      "best_val_loss": min(r["val_loss"] for r in rows), "project_val_loss": "1.45-1.50",
                       "syncs_forward": last["syncs_forward"], "syncs_backward": last["syncs_backward"],
                       "weight_grad_syncs": last["weight_grad_syncs"],
-                      "seed_002_communications": SEED_002_COMMUNICATIONS[name], "ms_per_step": last["ms_per_step"],
+                      "project_sync_count": PROJECT_SYNC_COUNTS[name], "ms_per_step": last["ms_per_step"],
                       "total_seconds": seconds, "parameters": last["parameters"], "batch_size": cfg.batch_size,
                       "block_size": cfg.block_size, "device": last["device"], "machine": machine})
         write_csv(stem + "_curves.csv", curves)  # after every configuration: a partial run leaves data
         write_csv(stem + "_table.csv", table)
-    print(f"\n{'config':14s} {'pattern':36s} {'syncs':>5s} {'seed':>4s} {'val loss':>8s} {'seed 002':>9s} "
+    print(f"\n{'config':14s} {'pattern':36s} {'syncs':>5s} {'proj.':>5s} {'val loss':>8s} {'project':>9s} "
           f"{'ms/step':>8s} {'seconds':>8s}")
     for r in table:
-        print(f"{r['config']:14s} {r['pattern']:36s} {r['syncs_forward']:5d} {r['seed_002_communications']:4d} "
-              f"{r['val_loss']:8.4f} {r['seed_002_val_loss']:>9s} {r['ms_per_step']:8.2f} {r['total_seconds']:8.1f}")
+        print(f"{r['config']:14s} {r['pattern']:36s} {r['syncs_forward']:5d} {r['project_sync_count']:5d} "
+              f"{r['val_loss']:8.4f} {r['project_val_loss']:>9s} {r['ms_per_step']:8.2f} {r['total_seconds']:8.1f}")
     print(f"\nwrote {stem}_curves.csv and {stem}_table.csv")
     return 0
 

@@ -1,4 +1,4 @@
-"""tplab.cost in one process: the formulas against the lecture table, the seed-003 function against
+"""tplab.cost in one process: the formulas against the lecture table, tensor_parallel_allreduce_cost against
 hand-computed values, the two-level machine, fitting on synthetic data, and compare()'s columns."""
 
 import math
@@ -33,8 +33,8 @@ def coefficients(collective, algorithm, p, n, **kw):
     return tuple(predict(collective, algorithm, p, n, m, **kw) for m in (ALPHA, BETA, GAMMA))
 
 
-# ---- seed 003 ------------------------------------------------------------------------------------------------
-def test_seed_003_eight_gpus():
+# ---- tensor_parallel_allreduce_cost --------------------------------------------------------------------------
+def test_tp_allreduce_cost_eight_gpus():
     got = tensor_parallel_allreduce_cost(4096, 2048, 1, 8, 32)
     # M = 1*2048*4096*2 = 16,777,216; per all-reduce 2*7/8*M = 1.75 M; x 2 per layer x 32 layers
     assert got == {"message_size_bytes": 16_777_216, "comm_volume_per_allreduce_bytes": 29_360_128.0,
@@ -43,7 +43,7 @@ def test_seed_003_eight_gpus():
     assert all(isinstance(got[k], float) for k in got if k != "message_size_bytes")
 
 
-def test_seed_003_one_and_two_gpus():
+def test_tp_allreduce_cost_one_and_two_gpus():
     one = tensor_parallel_allreduce_cost(4096, 2048, 1, 1, 32)
     assert one == {"message_size_bytes": 16_777_216, "comm_volume_per_allreduce_bytes": 0.0,
                    "total_comm_volume_bytes": 0.0, "total_comm_time_ms": 0.0}
@@ -53,7 +53,7 @@ def test_seed_003_one_and_two_gpus():
                    "total_comm_volume_bytes": 1_073_741_824.0, "total_comm_time_ms": 3.5791}
 
 
-def test_seed_003_other_bandwidth_bytes_and_counts():
+def test_tp_allreduce_cost_other_bandwidth_bytes_and_counts():
     got = tensor_parallel_allreduce_cost(1024, 512, 4, 4, 12, bytes_per_element=4, bandwidth_gb_per_sec=150.0,
                                          allreduces_per_layer=4)
     # M = 4*512*1024*4 = 8,388,608; 1.5 M = 12,582,912; x 4 x 12 = 603,979,776; / 150e9 = 4.02653 ms
@@ -61,7 +61,7 @@ def test_seed_003_other_bandwidth_bytes_and_counts():
                    "total_comm_volume_bytes": 603_979_776.0, "total_comm_time_ms": 4.0265}
 
 
-def test_seed_003_rounds_to_four_decimals():
+def test_tp_allreduce_cost_rounds_to_four_decimals():
     got = tensor_parallel_allreduce_cost(1000, 10, 1, 3, 1)  # M = 20,000; 4/3 M = 26,666.666...
     assert got == {"message_size_bytes": 20_000, "comm_volume_per_allreduce_bytes": 26_666.6667,
                    "total_comm_volume_bytes": 53_333.3333, "total_comm_time_ms": 0.0002}
@@ -71,13 +71,13 @@ def test_seed_003_rounds_to_four_decimals():
     dict(hidden_size=0), dict(sequence_length=-1), dict(batch_size=1.5), dict(num_gpus=0),
     dict(num_layers=True), dict(bytes_per_element=0), dict(bandwidth_gb_per_sec=0.0),
     dict(bandwidth_gb_per_sec="fast"), dict(allreduces_per_layer=-2)])
-def test_seed_003_rejects_bad_input(bad):
+def test_tp_allreduce_cost_rejects_bad_input(bad):
     args = dict(hidden_size=4096, sequence_length=2048, batch_size=1, num_gpus=8, num_layers=32) | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
         tensor_parallel_allreduce_cost(**args)
 
 
-# ---- the formulas are the lecture table (REFERENCE s.1) for powers of two ------------------------------------
+# ---- the formulas are the lecture table (Thakur, Rabenseifner & Gropp 2005) for powers of two ----------------
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 64])
 def test_powers_of_two_match_the_table(p):
     n, lg = 1024 * p, int(math.log2(p))
@@ -117,7 +117,7 @@ def test_folded_recursive_doubling_and_rabenseifner():
     n = 4096
     # p = 6 = 4 + 2: fold in (n, reduce n), lg 4 = 2 exchanges of n, fold out (n)
     assert coefficients("allreduce", "recursive_doubling", 6, n) == (4, 4 * n, 3 * n)
-    # REFERENCE's (2 lg p' + 2) α + (2(p'-1)/p' + 2) n β + (1 + (p'-1)/p') n γ, with p' = 4 blocks
+    # Thakur, Rabenseifner & Gropp's (2 lg p' + 2) α + (2(p'-1)/p' + 2) n β + (1 + (p'-1)/p') n γ, with p' = 4 blocks
     assert coefficients("allreduce", "rabenseifner", 6, n) == (6, (2 * 3 / 4 + 2) * n, (1 + 3 / 4) * n)
     assert coefficients("allreduce", "tree", 5, n) == (6, 6 * n, 3 * n)  # ⌈lg 5⌉ = 3 rounds each way
     assert coefficients("allreduce", "naive", 3, n) == (4, 4 * n, 2 * n)

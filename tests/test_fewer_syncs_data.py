@@ -1,5 +1,5 @@
 """The Tiny Shakespeare loader (local file, TPLAB_DATA_DIR, download and cache) and a 20-step training
-smoke test of seed 002's configurations on simulated ranks. No network: downloads come from file:// URLs."""
+smoke test of the student project's configurations on simulated ranks. No network: downloads come from file:// URLs."""
 
 from pathlib import Path
 

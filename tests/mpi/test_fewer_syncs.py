@@ -1,4 +1,4 @@
-"""Seed 002's blocks on real ranks: the TP block is the unsplit block; every block type and model on p
+"""The student project's blocks on real ranks: the TP block is the unsplit block; every block type and model on p
 ranks equals its single-process simulation (float64, ~1e-12); the all-reduces counted match the formulas."""
 
 import pytest
@@ -151,9 +151,9 @@ def test_any_pattern_on_ranks_equals_simulation_and_counts_its_syncs(pattern):
     agree(close(real.wte.weight.grad, sim.wte.weight.grad), f"{pattern}: embedding gradients differ")
 
 
-def test_seed_002_patterns_and_shape():
+def test_project_patterns_and_shape():
     if 4 % P:
-        pytest.skip(f"seed 002's 4 heads do not split over {P} ranks")
+        pytest.skip(f"the project's 4 heads do not split over {P} ranks")
     assert [syncs_per_forward(p) for p in PATTERNS.values()] == [8, 4, 4, 1]
     for name, pattern in PATTERNS.items():
         model = dense(n_layer=4, n_head=4, head_dim=8)

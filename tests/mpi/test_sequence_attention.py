@@ -192,7 +192,7 @@ def test_layer_gradients_sum_over_ranks_to_the_unsplit_ones():
 
 
 def test_staged_and_custom_gathers_move_the_same_bytes():
-    """Seed 001's staging (host copy, bf16 as int16) and a vendor-style gather give the direct result."""
+    """The course project's staging (host copy, bf16 as int16) and a vendor-style gather give the direct result."""
     x = randn(3, 5, seed=50 + RANK)  # (m, ...) blocks along the first dim
     direct = gather_sequence(x, C, dim=0)
     staged = staged_allgather_first_dim(x, C)

@@ -1,7 +1,7 @@
 """What one sequence costs: attention grows with the square of its length, everything else linearly.
 
-Per transformer layer, for one sequence of s tokens with hidden size h (REFERENCE s.4, the same count as
-``tplab.cost.tensor_parallel.layer_model``):
+Per transformer layer, for one sequence of s tokens with hidden size h (Megatron-LM; Korthikanti et al.
+2022; the same count as ``tplab.cost.tensor_parallel.layer_model``):
 
     24·s·h²      the four h x h projections and the h x 4h MLP     (linear in s)
      4·s²·h      QK^T and attention x V                             (quadratic in s)

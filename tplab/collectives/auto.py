@@ -1,7 +1,7 @@
 """algorithm="auto": a measured tuning table if one is in use (tuning.py), else MPICH's classic rules.
 
 A table measured on the machine at hand (notebook 03; ``tuning.use_table`` or TPLAB_TUNING=path) takes
-precedence; without one, this is what a textbook MPI does (REFERENCE s.2):
+precedence; without one, this is what a textbook MPI does (MPICH's default selection):
 - allreduce: recursive doubling for short messages (<= 2048 bytes, MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE)
   or fewer elements than the power of two below p; Rabenseifner otherwise.
 - reduce-scatter: recursive halving below 512 KiB, ring (pairwise) above.

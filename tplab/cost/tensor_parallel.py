@@ -1,6 +1,6 @@
 """What tensor parallelism costs a transformer layer: bytes on the wire, FLOPs, and their ratio.
 
-Megatron-style TP splits each layer over p GPUs (shared/REFERENCE.md s.4): attention and MLP each end in
+Megatron-style TP splits each layer over p GPUs (Megatron-LM; Korthikanti et al. 2022): attention and MLP each end in
 a row-parallel linear whose partial outputs are all-reduced, so the forward pass of one layer runs
 
     2 all-reduces of M = b·s·h·bytes       each moves 2(p-1)/p·M per rank (ring; bandwidth-optimal)
@@ -15,7 +15,7 @@ QKᵀ and attention×V: 4bs²h), split p ways. Time to talk over time to compute
 
 with F the peak FLOP/s and B the bus bandwidth: independent of the batch b (both grow with it), growing
 with p, shrinking with h. Above r = 1 the GPUs wait on the wire more than they compute (unless the two
-overlap: REFERENCE s.4, async TP).
+overlap: async TP).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _positive_number(name, value):
 def tensor_parallel_allreduce_cost(hidden_size, sequence_length, batch_size, num_gpus, num_layers,
                                    bytes_per_element=2, bandwidth_gb_per_sec=300.0,
                                    allreduces_per_layer=2) -> dict:
-    """The all-reduce traffic of tensor-parallel forward passes (seed problem 003).
+    """The all-reduce traffic of tensor-parallel forward passes.
 
     The all-reduced activation has shape (batch_size, sequence_length, hidden_size). With the ring
     algorithm each GPU sends 2(p-1)/p of it per all-reduce; ``allreduces_per_layer`` of those per layer,
@@ -70,7 +70,7 @@ def layer_model(hidden_size, sequence_length, batch_size, tp, bytes_per_element=
 
     ``peak_flops`` in FLOP/s (default: H100 SXM dense bf16, 989e12); ``bus_bandwidth`` in bytes/s, in
     the nccl-tests sense (busbw: a collective moving V bytes per rank takes V / busbw; default 300e9,
-    about what NCCL reaches on NVLink, REFERENCE s.7). Returns the collectives, bytes per rank, FLOPs,
+    about what NCCL reaches on NVLink, measured on 4x H100). Returns the collectives, bytes per rank, FLOPs,
     times and their ratio; with ``num_heads``, also the activation memory per rank that Korthikanti et
     al. (arXiv 2205.05198, table 2) give for 16-bit activations without recomputation.
     """

@@ -23,7 +23,7 @@ otherwise blocks round by at most one element.
     reduce      binomial            1                        n                 everyone but the root, once
 
 With p = p' + r and r > 0 (p' = 2^⌊lg p⌋) the even ranks among the first 2r hand their data to their odd
-neighbour and the odd ones hand the result back (shared/REFERENCE.md s.1, fold.py): one more message
+neighbour and the odd ones hand the result back (Thakur, Rabenseifner & Gropp 2005; fold.py): one more message
 each way. Totals add up over ranks; e.g. a folded recursive-doubling allreduce sends p' lg p' messages
 in the exchange plus r in and r out.
 """

@@ -1,10 +1,10 @@
-"""Fewer synchronisations: seed 002's TP, SPD and parallel blocks as tensor-parallel modules.
+"""Fewer synchronisations: the student project's TP, SPD and parallel blocks as tensor-parallel modules.
 
     ranks.py           SimulatedRanks(p) (all shards in this process) / RealRanks(comm) (one per MPI rank)
     shard.py           BlockShard (one rank's heads and MLP columns) and what the blocks share
     tp_block.py        TPBlock: Megatron's block, 2 all-reduces per forward (exactly the unsplit block)
     spd_block.py       SPDBlock: the attention's all-reduce merged into the MLP's, 1 per forward
-    parallel_block.py  UnsyncedBlock (seed 002's Parallel_Block) / ParallelRun: no sync inside a run, 1 at its end
+    parallel_block.py  UnsyncedBlock (the project's Parallel_Block) / ParallelRun: no sync inside a run, 1 at its end
     model.py           FewerSyncsGPT from a block pattern; PATTERNS; syncs_per_forward (the formula)
     train.py           nanoGPT's shakespeare_char training loop for any pattern, simulated or real ranks
     comm_time.py       communication time per step on real ranks and on an emulated slow network
@@ -13,7 +13,7 @@
 from tplab.fewer_syncs.model import (
     BLOCK_TYPES,
     PATTERNS,
-    SEED_002_COMMUNICATIONS,
+    PROJECT_SYNC_COUNTS,
     FewerSyncsGPT,
     dense_gpt,
     stages_of,
@@ -30,7 +30,7 @@ from tplab.fewer_syncs.train import TrainConfig, learning_rate, train
 __all__ = [
     "BLOCK_TYPES",
     "PATTERNS",
-    "SEED_002_COMMUNICATIONS",
+    "PROJECT_SYNC_COUNTS",
     "BlockShard",
     "FewerSyncsGPT",
     "ParallelRun",

@@ -29,7 +29,7 @@ from tplab.layers import mappings
 
 
 def default_heads(p: int) -> int:
-    """Seed 002's 4 heads where p divides 4; else p heads (one per rank)."""
+    """The student project's 4 heads where p divides 4; else p heads (one per rank)."""
     return 4 if 4 % p == 0 else p
 
 

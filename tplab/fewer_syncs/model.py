@@ -1,12 +1,12 @@
-"""A character-level GPT whose blocks follow a pattern of block types: seed 002's experiment.
+"""A character-level GPT whose blocks follow a pattern of block types: the student project's experiment.
 
     ranks = SimulatedRanks(4)                     # or RealRanks(tplab.comm.world())
     model = FewerSyncsGPT.create(["spd", "parallel"] * 2, ranks, vocab_size=65)
     logits, loss = model(tokens, targets)         # tokens (b, s) -> logits (b, s, vocab)
 
-The four configurations of seed 002 (4 layers, 4 heads, 128 dimensions) are ``PATTERNS``. A pattern is
+The four configurations of the student project (4 layers, 4 heads, 128 dimensions) are ``PATTERNS``. A pattern is
 grouped into stages: each 'tp' and 'spd' entry is a block of its own, each run of consecutive
-'parallel' entries one ParallelRun. Embeddings, final norm and LM head are replicated, as in the seed
+'parallel' entries one ParallelRun. Embeddings, final norm and LM head are replicated, as in the project
 (a 65-character vocabulary is not worth splitting): they cost no communication.
 
 All-reduces per forward pass, each moving one (b, s, h) activation (``syncs_per_forward``):
@@ -33,14 +33,14 @@ from tplab.fewer_syncs.tp_block import TPBlock
 
 BLOCK_TYPES = ("tp", "spd", "parallel")
 
-# seed 002's four Shakespeare configurations, by the seed's names, and the syncs the seed counts for them
+# the student project's four Shakespeare configurations, by its names, and the syncs it counts for them
 PATTERNS = {
     "baseline": ["tp"] * 4,
     "distributed": ["spd"] * 4,
     "spd-parallel": ["spd", "parallel"] * 2,
     "parallel-only": ["parallel"] * 4,
 }
-SEED_002_COMMUNICATIONS = {"baseline": 8, "distributed": 4, "spd-parallel": 4, "parallel-only": 2}
+PROJECT_SYNC_COUNTS = {"baseline": 8, "distributed": 4, "spd-parallel": 4, "parallel-only": 2}
 
 
 def check_pattern(pattern) -> list[str]:

@@ -1,6 +1,6 @@
 """Parallel blocks (pattern entry 'parallel'): no sync at all inside a run of consecutive parallel blocks.
 
-Seed 002's Parallel_Block, here ``UnsyncedBlock`` (tplab.models' ParallelBlock is Megatron's tensor-parallel
+The student project's Parallel_Block, here ``UnsyncedBlock`` (tplab.models' ParallelBlock is Megatron's tensor-parallel
 block, a different thing): attention and MLP one after the other, as in any GPT block, but each rank on
 its own residual stream, with no sync. The first block of a run copies x to every rank (f), every rank
 then carries *its own* residual stream x_i through the run, and the last block sums what the ranks added
@@ -13,8 +13,8 @@ then carries *its own* residual stream x_i through the run, and the last block s
         x_i  = x_i + z_i
     out = x + g(sum over i of (x_i - x))      g at the end: one all-reduce for the whole run
 
-A run of one block is seed 002's first-and-last Parallel_Block: out = x + g(z_0 + ... + z_{p-1}), the
-SPD block without b_a and b_m (seed 002 gives Parallel_Block no output biases). For longer runs the seed's
+A run of one block is the project's first-and-last Parallel_Block: out = x + g(z_0 + ... + z_{p-1}), the
+SPD block without b_a and b_m (the project gives Parallel_Block no output biases). For longer runs the project's
 code leaves the middle blocks undefined; this is the reading its text gives ("middle blocks keep the
 expanded [TP, B, T, C] tensor", "residuals inside each rank's forward_worker, so none is counted twice"):
 the collapse adds each rank's *increment* x_i - x, never x itself p times.

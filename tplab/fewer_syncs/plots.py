@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-SEED_002_CLAIM = (1.45, 1.50)  # validation loss after 2000 steps, all four configurations
+PROJECT_LOSS_BAND = (1.45, 1.50)  # the student project's validation loss after 2000 steps, all four configurations
 MARKERS = "osv^D"
 
 
@@ -17,7 +17,7 @@ def _axes(ax, figsize=(6.5, 4)):
 
 def plot_loss_curves(curves, ax=None, title="validation loss", claim=False, train=True):
     """Validation loss (solid; training loss dashed if ``train``) against step, one colour per config.
-    ``claim`` shades seed 002's 1.45-1.50 band."""
+    ``claim`` shades the student project's 1.45-1.50 band."""
     ax = _axes(ax)
     for (name, group), color in zip(curves.groupby("config", sort=False), plt.cm.tab10.colors):
         ax.plot(group["step"], group["val_loss"], "-", marker=MARKERS[len(ax.lines) % 5], ms=3, color=color,
@@ -25,21 +25,21 @@ def plot_loss_curves(curves, ax=None, title="validation loss", claim=False, trai
         if train:
             ax.plot(group["step"], group["train_loss"], "--", color=color, alpha=0.5, lw=1)
     if claim:
-        ax.axhspan(*SEED_002_CLAIM, color="grey", alpha=0.2, label="seed 002: 1.45-1.50")
+        ax.axhspan(*PROJECT_LOSS_BAND, color="grey", alpha=0.2, label="the project: 1.45-1.50")
     ax.set(xlabel="training step", ylabel="loss (nats per character)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return ax
 
 
-def plot_sync_counts(checked, ax=None, seed_counts=None):
-    """Grouped bars per config: all-reduces counted forward and backward, the formula, seed 002's count."""
+def plot_sync_counts(checked, ax=None, project_counts=None):
+    """Grouped bars per config: all-reduces counted forward and backward, the formula, the project's count."""
     ax = _axes(ax)
     x = np.arange(len(checked))
     bars = [("forward (counted)", checked["forward_allreduces"]), ("backward (counted)", checked["backward_allreduces"]),
             ("weight grads (counted)", checked["weight_grad_allreduces"])]
-    if seed_counts is not None:
-        bars.append(("seed 002's count", [seed_counts.get(c, np.nan) for c in checked["config"]]))
+    if project_counts is not None:
+        bars.append(("the project's count", [project_counts.get(c, np.nan) for c in checked["config"]]))
     width = 0.8 / len(bars)
     for i, (label, values) in enumerate(bars):
         ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label)

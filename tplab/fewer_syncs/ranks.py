@@ -2,7 +2,7 @@
 
 A tensor-parallel block splits its heads and MLP columns into p shards. Two ways to run them:
 
-    SimulatedRanks(p)    this process computes all p shards, one after another (seed 002's way: one
+    SimulatedRanks(p)    this process computes all p shards, one after another (the student project's way: one
                          GPU, no network); an all-reduce is a plain sum over the shards.
     RealRanks(comm)      this process is rank r of p and computes shard r only; an all-reduce is
                          tplab's own collective, through tplab.layers.mappings' f and g.
@@ -42,7 +42,7 @@ class ShardView:
     size: int
 
 
-# ---- simulated ranks: f and g as in seed 002 (copies forward / sum backward, sum forward / copies back) ----
+# ---- simulated ranks: f and g as in the student project (copies forward / sum backward, sum forward / copies back)
 class _SimulatedCopy(torch.autograd.Function):
     """f over simulated ranks: every shard reads the same x; autograd adds up the p shards' gradients
     (that sum *is* the all-reduce of the backward pass), and we count it."""

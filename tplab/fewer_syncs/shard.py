@@ -87,7 +87,7 @@ def add(x, bias):
 class ShardedBlock(nn.Module):
     """The local shards of one block plus its replicated pieces; subclasses say where the sums go."""
 
-    keeps_output_biases = True  # the parallel block drops them (seed 002's Parallel_Block has none)
+    keeps_output_biases = True  # the parallel block drops them (the student project's Parallel_Block has none)
 
     def __init__(self, block, ranks):
         super().__init__()

@@ -1,6 +1,6 @@
 """The SPD block: the attention's all-reduce dropped, merged into the MLP's. 1 all-reduce forward.
 
-Seed 002's SPD_Block (the seed cites arXiv 2210.09127 and 2502.20727, Sync-Point Drop). For rank i of p,
+The student project's SPD_Block (it cites arXiv 2210.09127 and 2502.20727, Sync-Point Drop). For rank i of p,
 with its heads' share p_i = attn_i(LN1(x)) of the attention output (no bias) and b_a, b_m the output biases:
 
     y_i  = x + p_i + b_a                    the residual with *my* heads only: no sum, no sync here

@@ -3,7 +3,7 @@
     data = CharData(tiny_shakespeare())
     rows = train(["spd"] * 4, data, TrainConfig(steps=2000), SimulatedRanks(4), device="cuda")
 
-Defaults are nanoGPT's config/train_shakespeare_char.py where seed 002 says nothing, at the seed's size
+Defaults are nanoGPT's config/train_shakespeare_char.py where the student project says nothing, at its size
 (4 layers, 4 heads, 128 dimensions, 2000 steps): AdamW (betas 0.9/0.99, weight decay 0.1 on matrices
 and embeddings), learning rate 1e-3 with 100 warm-up steps and a cosine decay to 1e-4 at the last
 step, gradient clipping at 1.0, batches of 64 windows of 256 characters. No dropout (nanoGPT's recipe

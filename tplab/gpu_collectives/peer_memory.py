@@ -326,7 +326,7 @@ class PeerMemory:
 
     def allgather_torch(self, tensor, *, check: bool = False):
         """Every rank's ``tensor`` concatenated along dim 0 (torch CUDA tensors; any dtype), on torch's
-        current stream: the ``gather`` of tplab.sequence (seed 001's all-gather of K and V)."""
+        current stream: the ``gather`` of tplab.sequence (the course project's all-gather of K and V)."""
         import cupy
         import torch
 

@@ -60,7 +60,7 @@ def models_at(d, dtype, suptitle=None):
     return fig
 
 
-def sp_strong_scaling(strong, seed, dtypes, suptitle=None):
+def sp_strong_scaling(strong, project, dtypes, suptitle=None):
     """Per dtype (at most three): the layer's speedup over one GPU, a colour per scheme, staged paths dashed,
     direct ones solid, next to the mpi4py project's measurement."""
     dtypes = list(dtypes)[:3]
@@ -71,7 +71,7 @@ def sp_strong_scaling(strong, seed, dtypes, suptitle=None):
             group = group.sort_values("p")  # colour: the scheme; line: staged dashed; marker: the transport
             ax.plot(group.p, group.speedup, marker="s" if "nccl" in path else "^" if "mpi" in path else "o",
                     ls="--" if path.startswith("staged") else "-", color=color_of(scheme), label=f"{path} / {scheme}")
-        ax.plot(seed.p, seed.speedup, "k*:", ms=10, label="mpi4py project (staged)")
+        ax.plot(project.p, project.speedup, "k*:", ms=10, label="mpi4py project (staged)")
         ax.plot([1, top], [1, top], color="gray", lw=1)
         ax.set(xlabel="GPUs p", ylabel="speedup vs the layer on 1 GPU", title=f"strong scaling, {dtype}")
         ax.grid(alpha=0.3)

@@ -1,6 +1,6 @@
 """How fast a tensor-parallel model runs: forward time and greedy-generation tokens/s, vs the TP degree.
 
-Measured the way the project measures everything (shared/REFERENCE.md s.3): warm-up first, then many
+Measured the way tplab measures everything (nccl-tests' conventions): warm-up first, then many
 timed runs, each started together on all ranks; per run the *slowest* rank's time (a TP forward pass is
 done when its last rank is), and the median over runs. On GPUs each rank times with CUDA events on its
 stream; on CPUs with a monotonic clock. The tensors stay on whatever device the model is on, and the

@@ -48,7 +48,7 @@ def time_forwards(forwards: dict, comm, *, iters=10, warmup=2, cuda=False) -> di
 def captured(forward):
     """``forward`` recorded once into a CUDA graph (collective: every rank at once); returns the function
     that replays it. Why: cut into k chunks, a layer's forward pass is many more kernel launches and Python
-    calls, and the host can fall behind the GPU (seed 001's block in 4 micro-batches: about 5 ms to queue
+    calls, and the host can fall behind the GPU (the course project's block in 4 micro-batches: about 5 ms to queue
     for about 6 ms on an H200), leaving it idle between chunks. A replay queues the whole pass at once, so
     what is timed is the GPU's work. The plain layer is timed the same way, so the comparison stays fair."""
     side = torch.cuda.Stream()

@@ -2,13 +2,13 @@
 
     layout.py          which tokens a rank holds: contiguous chunks, or zig-zag (chunks i and 2p-1-i)
                        that balance causal attention; shard(), positions()
-    gather.py          all-gather along the sequence (backward: reduce-scatter); seed 001's CPU staging
-    allgather_kv.py    all-gather K and V, attend with my queries (seed 001's scheme)
+    gather.py          all-gather along the sequence (backward: reduce-scatter); the course project's CPU staging
+    allgather_kv.py    all-gather K and V, attend with my queries (the course project's scheme)
     online_softmax.py  softmax over key blocks that arrive one by one (FlashAttention's recurrence)
     ring.py            ring attention: K/V blocks passed around, next transfer started before compute
     ulysses.py         DeepSpeed Ulysses: all-to-all tokens <-> heads (tplab.collectives.alltoall)
     checks.py          bad input: the same clear error on every rank
-    layer.py           SequenceParallelBlock: seed 001's layer, equal to the unsplit Block; unsplit_layer
+    layer.py           SequenceParallelBlock: the course project's layer, equal to the unsplit Block; unsplit_layer
     scaling.py         timing, strong and weak scaling, per-rank causal work (notebook 05, GPU script)
     exactness.py       every scheme and layer against the unsplit computation, bytes vs formulas (notebook 05)
     pictures.py        who computes which part of causal attention (contiguous vs zig-zag)

@@ -1,4 +1,4 @@
-"""Sequence-parallel attention by all-gathering K and V (seed 001's scheme).
+"""Sequence-parallel attention by all-gathering K and V (the course project's scheme).
 
 Each rank holds s/p tokens. Attention mixes every token with every other, but only through K and V:
 a query needs all keys and values, never the other queries. So
@@ -8,7 +8,7 @@ a query needs all keys and values, never the other queries. So
     V = all-gather(v)
     out = softmax(q Kᵀ / √d) V    (b, n, s/p, d)   my queries against every key
 
-Bytes sent per rank (ring all-gather): 2 (p-1)/p · b·s·h_kv · bytes (REFERENCE s.5; h_kv = n_kv·d).
+Bytes sent per rank (ring all-gather): 2 (p-1)/p · b·s·h_kv · bytes (tplab.cost.sequence_parallel; h_kv = n_kv·d).
 Memory: the full K and V on every rank, O(s) — what ring attention (ring.py) avoids.
 
 Causal attention: a query at position t sees keys 0..t. For each of my chunks (layout.py) the keys it
@@ -58,7 +58,7 @@ def allgather_kv_attention(q, k, v, comm, *, causal: bool = True, layout: str = 
     """q (b, n, s/p, d), k, v (b, n_kv, s/p, d): this rank's tokens  ->  (b, n, s/p, d).
 
     ``algorithm``: tplab's all-gather algorithm; ``gather``: another way to move the bytes (gather.py:
-    seed 001's CPU staging, or the vendor's all-gather); ``check``: agree on shapes first (one small
+    the course project's CPU staging, or the vendor's all-gather); ``check``: agree on shapes first (one small
     uncounted exchange), so bad input is the same clear error on every rank."""
     if check:
         check_attention_inputs(q, k, v, comm, layout)

@@ -1,4 +1,4 @@
-"""All-gather along the sequence, with its backward, and seed 001's CPU-staged way of doing it.
+"""All-gather along the sequence, with its backward, and the course project's CPU-staged way of doing it.
 
     gather_sequence(x, comm, dim)     every rank's x concatenated along ``dim`` (rank 0's tokens first)
                                       backward: reduce-scatter of the gradient along ``dim``
@@ -12,7 +12,7 @@ dimension; ``gather_sequence`` moves ``dim`` to the front, calls it, and moves i
     allgather_first_dim      tplab.allgather (the hand-written ring by default) on whatever Communicator
                              is given; the tensor passes through as it is (CPU today, GPU tensors on a
                              GPU transport such as tplab.comm.nccl)
-    staged_allgather_first_dim   seed 001's path for a GPU without CUDA-aware MPI:
+    staged_allgather_first_dim   the course project's path for a GPU without CUDA-aware MPI:
                              device -> host (tensor.cpu()) -> tplab.allgather over host MPI -> device
     anything else            e.g. the vendor's all-gather (scripts/gpu_sequence_parallel.py passes
                              torch.distributed's NCCL all_gather_into_tensor)
@@ -49,7 +49,7 @@ def from_host(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def staged_allgather_first_dim(x, comm, algorithm: str = "ring", check: bool = True) -> torch.Tensor:
-    """Seed 001's CPU staging: GPU -> host -> MPI all-gather on host memory -> GPU (two PCIe copies)."""
+    """The course project's CPU staging: GPU -> host -> MPI all-gather on host memory -> GPU (two PCIe copies)."""
     gathered = allgather_first_dim(to_host(x), comm, algorithm=algorithm, check=check)
     return from_host(gathered, like=x)
 

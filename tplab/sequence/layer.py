@@ -1,4 +1,4 @@
-"""A sequence-parallel transformer layer (seed 001's structure), built on the unsplit ``Block``.
+"""A sequence-parallel transformer layer (the course project's structure), built on the unsplit ``Block``.
 
 Sequence parallelism splits the *tokens*, not the weights: every rank holds the whole layer and s/p
 tokens of each sequence. Everything a token does on its own needs no communication; only attention
@@ -13,7 +13,7 @@ mixes tokens:
 
 so the layer equals the unsplit ``tplab.models.gpt.Block`` on the full sequence, token for token.
 Compare tensor parallelism (tplab.layers): weights split p ways, two all-reduces of b·s·h per layer.
-Here: weights replicated, per layer only the attention scheme's bytes (REFERENCE s.5).
+Here: weights replicated, per layer only the attention scheme's bytes (tplab.cost.sequence_parallel).
 
     block = Block(GPTConfig(n_embd=64, n_head=4))            # the same weights on every rank
     layer = SequenceParallelBlock(block, comm, scheme="ring", layout="zigzag")
@@ -76,7 +76,7 @@ class SequenceParallelBlock(nn.Module):
 
 def unsplit_layer(block: nn.Module, *, causal: bool = True) -> SequenceParallelBlock:
     """The same layer on one rank over the whole sequence (a communicator of one: nothing to gather):
-    seed 001's "1 GPU" baseline, causal or not. With ``causal=True`` it computes ``block(x)``."""
+    the course project's "1 GPU" baseline, causal or not. With ``causal=True`` it computes ``block(x)``."""
     from mpi4py import MPI
 
     from tplab.comm import MPIComm

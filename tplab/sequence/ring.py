@@ -18,7 +18,7 @@ inside its calls (``test``, ``wait``), and a GPU transport that puts its transfe
 serialises them with the compute; overlap on a GPU needs the transfer on a second stream.)
 
 Bytes sent per rank: p-1 blocks of 2·b·(s/p)·h_kv·bytes = 2 (p-1)/p · b·s·h_kv·bytes, the same as the
-all-gather (REFERENCE s.5), in p-1 messages (k and v travel together).
+all-gather (tplab.cost.sequence_parallel), in p-1 messages (k and v travel together).
 
 Causal: my chunk of queries against a chunk of keys is one of three cases (layout.py: chunks have equal
 length) —  entirely in the past: no mask;  the same chunk: the triangular mask;  entirely in the future:

@@ -3,7 +3,7 @@
     scaling_study(comm, hidden=64, heads=4, seq_len=512, batch=2, mode="strong")   rows, one per p
     causal_balance(comm, seq_len=1024, heads=4, head_dim=16)                       rows, one per rank
 
-Metrics as seed 001 reported them: forward time (the slowest rank's median), speedup and parallel
+Metrics as the course project reported them: forward time (the slowest rank's median), speedup and parallel
 efficiency against the unsplit layer on one rank, tokens per second. Strong scaling keeps the problem
 (b, s) and adds ranks; weak scaling keeps s/p tokens per rank, so the sequence grows with p — and
 attention's s² work with it, which no number of ranks hides (``ideal_time_s`` says how much).
@@ -32,10 +32,10 @@ from tplab.sequence.layer import SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import chunk_length, shard
 from tplab.toolkit.timing import slowest_median, time_calls
 
-# Seed 001 (harshita-mp/transformer-sequence-parallelism): hidden 5120, sequence 4096, batch 4, fp32,
-# all-gather K/V through CPU-staged mpi4py, 10 timed forward passes per point.
-SEED_001_CONFIG = {"hidden": 5120, "seq_len": 4096, "batch": 4, "dtype": "float32"}
-SEED_001 = [
+# The mpi4py course project (github.com/harshita-mp/transformer-sequence-parallelism): hidden 5120,
+# sequence 4096, batch 4, fp32, all-gather K/V through CPU-staged mpi4py, 10 timed forward passes per point.
+COURSE_PROJECT_CONFIG = {"hidden": 5120, "seq_len": 4096, "batch": 4, "dtype": "float32"}
+COURSE_PROJECT = [
     {"p": 1, "time_s": 0.947, "speedup": 1.00, "efficiency": 1.00, "tokens_per_s": 17295},
     {"p": 2, "time_s": 0.816, "speedup": 1.16, "efficiency": 0.58, "tokens_per_s": 20072},
     {"p": 4, "time_s": 1.010, "speedup": 0.94, "efficiency": 0.23, "tokens_per_s": 16218},
@@ -108,7 +108,7 @@ def scaling_study(comm=None, *, hidden=64, heads=4, seq_len=512, batch=2, ranks=
     try:
         block = make_block(hidden, heads, dtype=dtype, device=where)
         whole = unsplit_layer(block, causal=causal)  # the same layer, all tokens on one rank
-        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as seed 001's "1 GPU";
+        # the unsplit layer on one rank (rank 0, the others asleep): the baseline, as the course project's "1 GPU";
         # warmed up twice over, since the very first calls of a process pay for allocations and caches
         base = _unsplit_time(whole, make_input(batch, seq_len, hidden, dtype=dtype, device=where), iters,
                              2 * warmup + 2, cuda) if comm.rank == 0 else None

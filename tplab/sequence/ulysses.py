@@ -11,7 +11,7 @@ turns the output back:
       --all-to-all-->  (b, n, s/p, d)   back to my tokens            (1 all-to-all)
 
 Bytes sent per rank (pairwise all-to-all: (p-1)/p of each rank's tensor): (p-1)/p · b·(s/p)·(2h + 2h_kv)·
-bytes, about 4·N·h/p for N = b·s tokens and h_kv = h (REFERENCE s.5): the volume per rank *falls* as
+bytes, about 4·N·h/p for N = b·s tokens and h_kv = h (tplab.cost.sequence_parallel): the volume per rank *falls* as
 1/p, while the all-gather's 2(p-1)/p·N·h_kv grows towards 2·N·h_kv. The price: the heads (query and
 key/value heads) must divide by p — a clear error otherwise — and p is capped by the head count.
 
