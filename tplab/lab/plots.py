@@ -101,10 +101,10 @@ def step_table(traces):
     return labels, table
 
 
-def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 8):
-    """One panel per step; rows are ranks, columns are elements of the vector. Each cell lists the
-    ranks whose contributions it holds; the colour deepens as it fills (the goal: every rank, every
-    element, all p contributions)."""
+def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 3):
+    """One panel per step, ``max_columns`` to a row (three keep the labels readable at JupyterLab's width);
+    rows are ranks, columns are elements of the vector. Each cell lists the ranks whose contributions it
+    holds; the colour deepens as it fills (the goal: every rank, every element, all p contributions)."""
     traces = [t for t in traces if t is not None]  # ranks outside a sub-communicator return None
     p = len(traces)
     _, table = step_table(traces)
