@@ -26,7 +26,7 @@ def mpi_library(short: bool = False) -> str:
     name and version ("Open MPI v4.1.6")."""
     from mpi4py import MPI
 
-    first = MPI.Get_library_version().splitlines()[0].strip()
+    first = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()  # (Open MPI ends it with NUL)
     return " ".join(first.replace("Version:", "").split(",")[0].split()) if short else first
 
 
