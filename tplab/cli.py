@@ -35,9 +35,9 @@ def cmd_info(args) -> int:
 
     print(f"tplab {tplab.__version__}, Python {platform.python_version()}, numpy {numpy.__version__}")
     try:
-        from mpi4py import MPI
+        from tplab.toolkit.machine import mpi_library
 
-        print(f"mpi4py {__import__('mpi4py').__version__}; {MPI.Get_library_version().splitlines()[0].strip()}")
+        print(f"mpi4py {__import__('mpi4py').__version__}; {mpi_library()}")
     except Exception as e:  # noqa: BLE001 - report, don't fail: info is a diagnostic
         print(f"mpi4py: not usable ({e})")
     try:
