@@ -4,7 +4,7 @@ returns the Figure; the notebook saves and shows it.
 
     allreduce_at(group, ranks, vendor)        01/03: at p ranks, time and speed relative to the library's all-reduce
     models_at(d, dtype)                       04: a Llama-shaped model's forward pass and generation against TP degree
-    sp_strong_scaling(strong, seed, dtype)    05: the layer's speedup on p GPUs, per path and scheme
+    sp_strong_scaling(strong, project, dtypes) 05: the layer's speedup on p GPUs, per path and scheme
     sp_components(parts)                      05: one all-gather's pieces (staged vs direct)
     speedup_over_round_robin(speedup, ranks)  07: each strategy's makespan gain, one panel per TP degree
     pipeline_bubbles(ref, ranks)              07: the measured bubble against the two formulas, per layout
