@@ -27,7 +27,9 @@ COLORS = {
     "peer_ring": "tab:orange", "copy_engine": "tab:brown",
     # all-to-all (notebook 09): pairwise exchange walks the ranks like the ring, Bruck halves like doubling
     "pairwise": "tab:orange", "bruck": "tab:blue", "tplab_pairwise": "tab:orange", "tplab_bruck": "tab:blue",
-    "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black",
+    "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black", "tplab_peer_memory": "tab:cyan",
+    # the anchors a GPU all-reduce is measured against (tplab.lab.anchors)
+    "nccl_symmetric": "tab:gray", "symm_mem_one_shot": "tab:purple", "symm_mem_two_shot": "tab:green",
 }
 _SPARE = ["#1f77b4", "#8c564b", "#17becf", "#bcbd22", "#9467bd", "#e377c2", "#7f7f7f", "#2ca02c", "#d62728"]
 
