@@ -31,6 +31,9 @@ COLORS = {
     # the anchors a GPU all-reduce is measured against (tplab.lab.anchors)
     "nccl_symmetric": "tab:gray", "symm_mem_one_shot": "tab:purple", "symm_mem_two_shot": "tab:green",
 }
+# The widest figure (inches): at setup()'s 110 dpi, 1265 px, which JupyterLab shows at about 80% or more of its
+# size on a laptop-wide notebook, so 9-point text stays at 8 points or more on screen.
+MAX_WIDTH = 11.5
 _SPARE = ["#1f77b4", "#8c564b", "#17becf", "#bcbd22", "#9467bd", "#e377c2", "#7f7f7f", "#2ca02c", "#d62728"]
 
 
@@ -38,6 +41,15 @@ def color_of(name) -> str:
     """The colour of an algorithm or path in every tplab figure."""
     name = str(name)
     return COLORS.get(name) or _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
+
+
+def suptitle(fig, text: str, fontsize: float = 9) -> None:
+    """A figure's title, wrapped to its width: a long title (a machine's description) would otherwise make
+    the saved figure wider than its panels (bbox_inches="tight") and JupyterLab shrink it to fit."""
+    import textwrap
+
+    chars = max(40, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in str(text).split("\n")), fontsize=fontsize)
 
 
 def setup(output_dir=None, prefix: str = "", dpi: int = 110, font_size: float = 9.0):
@@ -113,7 +125,7 @@ def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 3)
     ncols = min(len(table), max_columns)
     nrows = -(-len(table) // ncols)
     count = max(len(b) for _, bufs in table for b in bufs)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(1.0 + 0.55 * count * ncols, 0.45 * p * nrows + 0.9),
+    fig, axes = plt.subplots(nrows, ncols, figsize=(min(1.0 + 0.55 * count * ncols, MAX_WIDTH), 0.45 * p * nrows + 0.9),
                              squeeze=False, constrained_layout=True)
     for ax in axes.flat:
         ax.axis("off")
@@ -134,7 +146,7 @@ def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 3)
         ax.axis("on")
         for spine in ax.spines.values():
             spine.set_visible(False)
-    fig.suptitle(title or "which contributions each element holds, step by step", fontsize=10)
+    suptitle(fig, title or "which contributions each element holds, step by step", fontsize=10)
     return fig
 
 
@@ -218,7 +230,7 @@ def plot_overlap_sweep(df, title=None, axes=None):
     chunk count k -- overlapped, without overlap, compute alone (unchunked and chunked), and the pipeline
     model's prediction when present; right, the hidden fraction (1: all communication hidden, 0: none)."""
     if axes is None:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4), constrained_layout=True)
+        fig, axes = plt.subplots(1, 2, figsize=(MAX_WIDTH, 4), constrained_layout=True)
     fig = axes[0].figure
     df = df.sort_values("chunks")
     k = df["chunks"]
@@ -246,7 +258,7 @@ def plot_overlap_sweep(df, title=None, axes=None):
         ax.xaxis.set_minor_locator(plt.NullLocator())  # only the chunk counts on the log axis
         ax.grid(True, alpha=0.3)
     if title:
-        fig.suptitle(title, fontsize=10)
+        suptitle(fig, title, fontsize=10)
     return fig
 
 
@@ -261,7 +273,7 @@ def plot_overlap_summary(df, title=None):
         df[column] = df[column] / per_layer
     keys = [c for c in ("path", "chunks", "tail", "gemm_sm_carveout") if c in df]
     layers = list(dict.fromkeys(df["layer"]))
-    fig, axes = plt.subplots(1, len(layers), figsize=(5.5 * len(layers), 4), constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(layers), figsize=(min(5.5 * len(layers), MAX_WIDTH), 4), constrained_layout=True, squeeze=False)
     for ax, layer in zip(axes[0], layers):
         rows = df[df["layer"] == layer]
         median = rows.groupby(keys).median(numeric_only=True).reset_index()
@@ -278,5 +290,5 @@ def plot_overlap_summary(df, title=None):
         ax.set(ylabel="time per layer (ms)", title=layer, ylim=(0, top * 1.2))
         ax.legend(fontsize=8, loc="lower right")
     if title:
-        fig.suptitle(title, fontsize=10)
+        suptitle(fig, title, fontsize=10)
     return fig

@@ -16,11 +16,12 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from tplab.lab.plots import color_of, plot_speedup, plot_times
+from tplab.lab.plots import MAX_WIDTH, color_of, plot_speedup, plot_times
+from tplab.lab.plots import suptitle as set_suptitle
 
 
 def _row(n, width=5.5, height=4.0):
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(min(width * n, MAX_WIDTH), height), constrained_layout=True, squeeze=False)
     return fig, list(axes[0])
 
 
@@ -31,7 +32,7 @@ def allreduce_at(group, ranks, vendor, suptitle=None):
     plot_times(group, ax=left, title=f"{ranks} ranks: time")
     plot_speedup(group, ax=right, title=f"{ranks} ranks: speed relative to {vendor}")
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -56,7 +57,7 @@ def models_at(d, dtype, suptitle=None):
         ax.legend(fontsize=8)
         ax.set_ylim(bottom=0)
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -77,7 +78,7 @@ def sp_strong_scaling(strong, project, dtypes, suptitle=None):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -90,7 +91,7 @@ def sp_components(parts, suptitle=None):
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -108,7 +109,7 @@ def speedup_over_round_robin(speedup, ranks, suptitle=None):
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, ncol=2)
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -133,7 +134,7 @@ def pipeline_bubbles(ref, ranks, suptitle=None):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if suptitle:
-        fig.suptitle(suptitle, fontsize=9)
+        set_suptitle(fig, suptitle)
     return fig
 
 
@@ -142,7 +143,7 @@ def strategies_gantt(intervals, names, p):
     from tplab.balance import plot_gantt
 
     names = list(names)[:3]
-    fig, axes = plt.subplots(len(names), 1, figsize=(12, len(names) * (0.35 * p + 0.9)), constrained_layout=True,
+    fig, axes = plt.subplots(len(names), 1, figsize=(MAX_WIDTH, len(names) * (0.35 * p + 0.9)), constrained_layout=True,
                              sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names):
         mine = intervals[intervals.strategy == name]  # work bars, and the queue's waits as hatched strips

@@ -5,6 +5,8 @@ from __future__ import annotations
 import matplotlib.patches as patches
 import matplotlib.pyplot as plt
 
+MAX_WIDTH = 11.5  # inches, as tplab.lab.plots.MAX_WIDTH: readable at JupyterLab's width (models sit below lab)
+
 
 def draw_weight_split(shards, title: str | None = None, max_columns: int = 3, only: str | None = None):
     """One panel per weight: the full (out, in) matrix (width = in, height = out, each panel to its own
@@ -17,7 +19,7 @@ def draw_weight_split(shards, title: str | None = None, max_columns: int = 3, on
     weights = list(dict.fromkeys(r["weight"] for r in rows))
     colors = plt.cm.tab10.colors
     n = min(len(weights), max_columns)
-    fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.9), constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(min(3.6 * n, MAX_WIDTH), 3.9), constrained_layout=True, squeeze=False)
     for ax, weight in zip(axes[0], weights):
         mine = [r for r in rows if r["weight"] == weight]
         out_features, in_features = mine[0]["full"]
