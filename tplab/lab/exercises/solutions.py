@@ -23,33 +23,33 @@ from tplab.toolkit.blocks import block_bounds
 
 # ---- 01: collectives from point-to-point messages -----------------------------------------------------------
 def ring_allreduce(x, comm):
+    """The ring's reduce-scatter, then its all-gather: pass the finished blocks around the ring."""
     p, r = comm.size, comm.rank
-    right, left = (r + 1) % p, (r - 1) % p
-    buf = x.copy()
-    b = block_bounds(buf.size, p)
-    block = lambda i: buf[b[i % p]:b[i % p + 1]]
-    incoming = np.empty_like(buf)
-    for s in range(p - 1):  # reduce-scatter: after it, rank r holds the whole sum of block r
-        send, recv = block(r - s - 1), block(r - s - 2)
-        recv += comm.sendrecv(send, right, incoming[:recv.size], left)
-    for s in range(p - 1):  # allgather: pass the finished blocks around the ring
-        comm.sendrecv(block(r - s), right, block(r - s - 1), left)
+    buf, block = _ring_reduce_scatter_in_place(x.copy(), comm)
+    for s in range(p - 1):
+        comm.sendrecv(block(r - s), (r + 1) % p, block(r - s - 1), (r - 1) % p)
     return buf
 
 
 def ring_reduce_scatter(x, comm):
-    """Rank r returns block r of the sum. Step s sends the partial sum of block r-s-1 to the right and adds
-    the incoming partial sum of block r-s-2: the last one it adds (s = p-2) is its own block r."""
+    """Rank r returns block r of the sum."""
+    _, block = _ring_reduce_scatter_in_place(x.copy(), comm)
+    return block(comm.rank).copy()
+
+
+def _ring_reduce_scatter_in_place(buf, comm):
+    """(buf, block): step s sends the partial sum of block r-s-1 to the right and adds the incoming partial
+    sum of block r-s-2; the last one it adds (s = p-2) is its own block r, now the whole sum. ``block(i)``
+    is block i mod p of buf (a view)."""
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
-    buf = x.copy()
     b = block_bounds(buf.size, p)
     block = lambda i: buf[b[i % p]:b[i % p + 1]]
     incoming = np.empty_like(buf)
     for s in range(p - 1):
         send, recv = block(r - s - 1), block(r - s - 2)
         recv += comm.sendrecv(send, right, incoming[:recv.size], left)
-    return block(r).copy()
+    return buf, block
 
 
 # ---- 02: the cost model ---------------------------------------------------------------------------------------
