@@ -89,3 +89,21 @@ def test_dispatch_exercise_checker():
     assert not passed(report) and any("token order" in r["problem"] for r in report)
     report = check_dispatch_order(counts_without_idle_experts, progress=False)
     assert any("all 4" in r["problem"] for r in report)
+
+
+def test_dispatch_checker_names_a_float_order_and_expert_ids_instead_of_crashing():
+    from tplab.lab.exercises import check_dispatch_order
+
+    def from_a_list(experts, e):  # an empty Python list becomes a float tensor
+        flat = experts.reshape(-1)
+        return torch.tensor(torch.sort(flat, stable=True).indices.tolist()), torch.bincount(flat, minlength=e)
+
+    def expert_ids(experts, e):
+        flat = experts.reshape(-1)
+        return torch.sort(flat).values, torch.bincount(flat, minlength=e)
+
+    report = check_dispatch_order(from_a_list, progress=False)
+    assert any("integer positions" in r["problem"] for r in report if r["problem"])
+    assert not any("raised" in (r["problem"] or "") for r in report)
+    report = check_dispatch_order(expert_ids, progress=False)
+    assert any("experts' ids" in r["problem"] for r in report if r["problem"])

@@ -43,9 +43,15 @@ def _diagnose_dispatch(result, case, _p):
     if not isinstance(result, tuple) or len(result) != 2:
         return "return a pair (order, counts)"
     order, counts = (torch.as_tensor(r).reshape(-1) for r in result)
+    if order.dtype.is_floating_point or order.dtype.is_complex or order.dtype == torch.bool:
+        return (f"order holds {order.dtype} values: it must hold integer positions (torch.long) into "
+                "experts.reshape(-1) (an empty list becomes a float tensor: give torch.tensor(..., dtype=torch.long))")
     if counts.tolist() != want_counts.tolist():
         return f"counts {counts.tolist()}, expected {want_counts.tolist()} (assignments per expert, all {num_experts})"
     if order.numel() != flat.numel() or sorted(order.tolist()) != list(range(flat.numel())):
+        if order.tolist() == sorted(flat.tolist()):
+            return ("order holds the experts' ids, sorted; it must hold the positions of the assignments "
+                    "(indices into experts.reshape(-1)), grouped by expert")
         return f"order must list each of the {flat.numel()} assignments once (indices into experts.reshape(-1))"
     if not torch.equal(flat[order], flat[want_order]):
         return "order is not grouped by expert (expert 0's assignments first, then expert 1's, ...)"
