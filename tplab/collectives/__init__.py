@@ -181,6 +181,10 @@ READS_SOURCE = {"ring", "recursive_doubling", "rabenseifner"}
 
 
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
+    if comm is not None:  # (a plan made before: called at once -- each call layer costs a small GPU call time)
+        plan = comm.plans.get(("allreduce", _input_kind(x), op, algorithm, check))
+        if plan is not None:
+            return plan(x, comm)
     return _planned("allreduce", x, _world_if_none(comm), op, algorithm, check, _allreduce_each_call)
 
 

@@ -33,7 +33,14 @@ def is_gpu_array(x) -> bool:
 
 
 def is_torch(x) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
+    kind = type(x)
+    known = _IS_TORCH.get(kind)  # (asked on every collective call: a string split per call is measurable)
+    if known is None:
+        known = _IS_TORCH[kind] = kind.__module__.split(".")[0] == "torch"
+    return known
+
+
+_IS_TORCH: dict = {}
 
 
 def array_module(x):
