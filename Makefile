@@ -22,6 +22,8 @@
 #   TORCH_INDEX=URL        where torch comes from: https://download.pytorch.org/whl/cpu for the small CPU build
 #                          (a few hundred MB), the laptop choice for every target (setup, lab, demo, test)
 #   MPI=mpich              MPI from the PyPI wheel; MPI= uses the system MPI that mpi4py builds against
+#   TEST_WORKERS=2         pytest workers for make test (pytest-xdist; the suite waits on subprocesses much of
+#                          the time, so two workers fit two cores); TEST_WORKERS=0 runs it in one process
 #   CHROMIUM=PATH          the browser for make browser-test (default: chromium on PATH)
 
 PYTHON ?= python3
@@ -31,6 +33,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 MPI    ?= mpich
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 BIN   := $(abspath $(VENV))/bin
 EXTRAS  = $(if $(MPI),mpich$(comma))notebooks,test
@@ -56,7 +59,7 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/tplab demo --ranks $(N) --out build

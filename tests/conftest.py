@@ -6,6 +6,8 @@ launches them for several K. A plain ``pytest`` run must not collect them itself
 
 import os
 
+import pytest
+
 collect_ignore = [] if os.environ.get("TPLAB_UNDER_MPIEXEC") else ["mpi"]
 
 # Offline test machines may keep Tiny Shakespeare beside the repository: point tplab's data loader (and the
@@ -23,3 +25,23 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("tests run inside mpiexec")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# `make test` runs two pytest workers (pytest-xdist, --dist loadgroup): the whole suite waits on subprocesses,
+# sleeps and timeouts much of the time and used about one of two cores alone. The long tests go to two groups
+# that run side by side -- the ones that start ipyparallel clusters (the notebooks among them) and the MPI jobs
+# -- and each group runs in order on one worker; the short tests fill in around them.
+XDIST_GROUPS = {
+    "clusters": ("test_notebooks", "test_cluster", "test_cluster_chaos", "test_doctor"),
+    "mpi_jobs": ("test_under_mpi", "test_nodes"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    group_of = {module: group for group, modules in XDIST_GROUPS.items() for module in modules}
+    for item in items:
+        group = group_of.get(item.module.__name__.rpartition(".")[2]) if item.module else None
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
