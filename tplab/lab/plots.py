@@ -31,6 +31,8 @@ COLORS = {
     "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black", "tplab_peer_memory": "tab:cyan",
     # the anchors a GPU all-reduce is measured against (tplab.lab.anchors)
     "nccl_symmetric": "tab:gray", "symm_mem_one_shot": "tab:purple", "symm_mem_two_shot": "tab:green",
+    # notebook 09's router variants (tplab.moe.experiments.VARIANTS): colours its all-to-all paths do not use
+    "plain": "tab:gray", "noise": "tab:purple", "aux loss 0.01": "tab:brown", "noise + aux loss 0.05": "tab:green",
 }
 # The widest figure (inches): at setup()'s 110 dpi, 1265 px, which JupyterLab shows at about 80% or more of its
 # size on a laptop-wide notebook, so 9-point text stays at 8 points or more on screen.
