@@ -80,13 +80,13 @@ def tiny_shakespeare(path=None, data_dir=None, url: str = URL, allow_download: b
     return tiny_shakespeare_path(path, data_dir, url, allow_download).read_text(encoding="utf-8")
 
 
-def tiny_shakespeare_or_stand_in(stand_in, data_dir=None) -> tuple[str, str]:
+def tiny_shakespeare_or_stand_in(stand_in, data_dir=None, url: str = URL) -> tuple[str, str]:
     """Tiny Shakespeare and its name; offline with no local copy, the text of the file ``stand_in`` and a
     name that says it is a stand-in, after a printed note saying why. A notebook's cells then keep running,
     and its figures can say which text they were measured on. (A ``data_dir`` or TPLAB_DATA_DIR without the
     file is a mistake to fix, not a reason for a stand-in: that error is raised.)"""
     try:
-        return tiny_shakespeare(data_dir=data_dir), "Tiny Shakespeare"
+        return tiny_shakespeare(data_dir=data_dir, url=url), "Tiny Shakespeare"
     except RuntimeError as missing:  # the download failed and no copy was found
         name = Path(stand_in).name
         print(f"NOTE: {missing}\nUsing a stand-in text, {name}, so that the cells still run: what follows is "
