@@ -8,7 +8,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tplab.lab import data  # noqa: E402
-from tplab.lab.data import CharData, tiny_shakespeare, tiny_shakespeare_path  # noqa: E402
+from tplab.lab.data import (  # noqa: E402
+    CharData,
+    tiny_shakespeare,
+    tiny_shakespeare_or_stand_in,
+    tiny_shakespeare_path,
+)
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 needs_shakespeare = pytest.mark.skipif(not SHARED.is_file(), reason=f"no local copy at {SHARED}")
@@ -60,6 +65,19 @@ def test_downloads_once_then_reads_the_cache(isolated, monkeypatch):
     assert tiny_shakespeare(url=source.as_uri()) == TEXT
     assert len(fetched) == 1
     assert not list(path.parent.glob("*.part"))  # no half-written download left behind
+
+
+def test_a_stand_in_only_offline_with_no_copy_and_named_so(isolated, capsys):
+    stand_in = isolated / "README.md"
+    stand_in.write_text("# a stand-in\n")
+    offline = (isolated / "nowhere.txt").as_uri()  # a download that fails
+    assert tiny_shakespeare_or_stand_in(stand_in, url=offline) == ("# a stand-in\n", "a stand-in text (README.md)")
+    assert "not on Tiny Shakespeare" in capsys.readouterr().out  # said out loud, in the notebook's output
+    (isolated / "cache").mkdir(exist_ok=True)  # the failed download made it, or not
+    (isolated / "cache" / "tinyshakespeare.txt").write_text(TEXT)
+    assert tiny_shakespeare_or_stand_in(stand_in, url=offline) == (TEXT, "Tiny Shakespeare")
+    with pytest.raises(FileNotFoundError):  # a folder named but without the file: fix it, no stand-in
+        tiny_shakespeare_or_stand_in(stand_in, data_dir=isolated / "cache" / "empty")
 
 
 def test_characters_split_and_batches():

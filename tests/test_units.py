@@ -127,3 +127,26 @@ def test_one_colour_per_algorithm_in_every_figure():
     speedup = {line.get_label(): line.get_color() for line in plot_speedup(df).axes[0].get_lines() if line.get_label() == "ring"}
     assert speedup["ring"] == color_of("ring")
     assert color_of("some new algorithm") == color_of("some new algorithm")  # stable for names not listed
+
+
+def test_step_pictures_are_one_panel_at_jupyterlab_width_labelled_one_way():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from tplab.lab.plots import MAX_WIDTH
+    from tplab.lab.step_pictures import draw_allreduce_steps
+
+    def ring_like(p):  # rank r's traces: start, then one step per rank in which it holds everyone's sum
+        full = (1 << p) - 1
+        return [{"rank": r, "steps": [("start", [1 << r] * p, 0)] + [(f"step {s}", [full if s >= r else 1 << r] * p, s)
+                                                                      for s in range(1, p + 1)]} for r in range(p)]
+    for p in (3, 8, 16):
+        fig = draw_allreduce_steps(ring_like(p) + [None])  # a rank outside a sub-communicator gives None
+        assert len(fig.axes) == 1 and fig.get_figwidth() <= MAX_WIDTH
+        texts = {t.get_text() for t in fig.axes[0].texts}
+        if p == 3:
+            assert {"0", "1", "2", "012"} <= texts  # which ranks, when they fit a tile
+        elif p == 8:
+            assert {"1", "8"} == texts  # too narrow for "0123456": how many, in every tile alike
+        else:
+            assert texts == {""}  # too narrow for any text: the colour alone

@@ -10,7 +10,8 @@ lines the ranks up in a picture: wall-clock order would not, when ranks outnumbe
     steps   # [("start", array, 0), ("reduce-scatter step 1", array, 1), ...]
 
 Run it with x = 2**rank (integers, op "sum"): every element of a snapshot is then a bit mask of the
-ranks whose contributions it already holds. ``tplab.lab.plots.draw_steps`` turns that into the picture.
+ranks whose contributions it already holds. ``tplab.lab.step_pictures.draw_allreduce_steps`` turns that into
+the picture.
 """
 
 from __future__ import annotations

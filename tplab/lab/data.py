@@ -1,6 +1,7 @@
 """Tiny Shakespeare, character by character (the data set of nanoGPT's shakespeare_char).
 
     text = tiny_shakespeare()                 # ~1.1 MB of plays, found locally or downloaded once
+    text, name = tiny_shakespeare_or_stand_in("../README.md")   # offline with no copy: another text, named
     data = CharData(text)                     # 65 characters; 90% train, 10% validation
     x, y = data.batch("train", batch_size=64, block_size=256, generator=g)   # (64, 256) each
 
@@ -77,6 +78,20 @@ def tiny_shakespeare_path(path=None, data_dir=None, url: str = URL, allow_downlo
 
 def tiny_shakespeare(path=None, data_dir=None, url: str = URL, allow_download: bool = True) -> str:
     return tiny_shakespeare_path(path, data_dir, url, allow_download).read_text(encoding="utf-8")
+
+
+def tiny_shakespeare_or_stand_in(stand_in, data_dir=None, url: str = URL) -> tuple[str, str]:
+    """Tiny Shakespeare and its name; offline with no local copy, the text of the file ``stand_in`` and a
+    name that says it is a stand-in, after a printed note saying why. A notebook's cells then keep running,
+    and its figures can say which text they were measured on. (A ``data_dir`` or TPLAB_DATA_DIR without the
+    file is a mistake to fix, not a reason for a stand-in: that error is raised.)"""
+    try:
+        return tiny_shakespeare(data_dir=data_dir, url=url), "Tiny Shakespeare"
+    except RuntimeError as missing:  # the download failed and no copy was found
+        name = Path(stand_in).name
+        print(f"NOTE: {missing}\nUsing a stand-in text, {name}, so that the cells still run: what follows is "
+              "measured on it, not on Tiny Shakespeare.")
+        return Path(stand_in).read_text(encoding="utf-8"), f"a stand-in text ({name})"
 
 
 class CharData:

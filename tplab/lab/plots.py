@@ -1,12 +1,13 @@
 """Pictures for the notebooks (matplotlib). Each function returns the Figure so a notebook can save it.
 
-    draw_allreduce_steps(traces)   which rank's contribution sits where after each step (from a real run)
     plot_times(df)                 time vs message size, one line per algorithm (log-log)
     plot_timeline(df)              per-rank Gantt chart of traced compute / comm / wait (tplab.overlap)
     plot_overlap_sweep(df)         a layer's time and hidden fraction against the chunk count (tplab.overlap)
     plot_overlap_summary(df)       per path: a layer without overlap vs overlapped at its best (gpu_overlap.py rows)
     setup(output_dir, prefix)      readable figures at JupyterLab's width, and save(fig, name) (each notebook's first cell)
     color_of(name)                 one colour per algorithm or path, the same in every figure
+
+Notebook 01's step pictures are in tplab.lab.step_pictures.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ COLORS = {
     "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black", "tplab_peer_memory": "tab:cyan",
     # the anchors a GPU all-reduce is measured against (tplab.lab.anchors)
     "nccl_symmetric": "tab:gray", "symm_mem_one_shot": "tab:purple", "symm_mem_two_shot": "tab:green",
+    # notebook 09's router variants (tplab.moe.experiments.VARIANTS): colours its all-to-all paths do not use
+    "plain": "tab:gray", "noise": "tab:purple", "aux loss 0.01": "tab:brown", "noise + aux loss 0.05": "tab:green",
 }
 # The widest figure (inches): at setup()'s 110 dpi, 1265 px, which JupyterLab shows at about 80% or more of its
 # size on a laptop-wide notebook, so 9-point text stays at 8 points or more on screen.
@@ -71,83 +74,6 @@ def setup(output_dir=None, prefix: str = "", dpi: int = 110, font_size: float = 
         fig.savefig(os.path.join(figures, f"{prefix}_{name}.png" if prefix else f"{name}.png"), dpi=dpi,
                     bbox_inches="tight")
     return save
-
-
-def _contributors(mask: int, p: int) -> str:
-    """Bit mask -> the ranks it contains, written compactly ("0123", or "all" / "-")."""
-    ranks = [r for r in range(p) if mask >> r & 1]
-    if not ranks:
-        return "-"
-    if len(ranks) == p and p > 4:
-        return "all"
-    return "".join(str(r) for r in ranks) if p <= 10 else f"{len(ranks)}"
-
-
-def _unique_labels(steps):
-    """A label a rank records twice (say, "start" of two phases) becomes "label (2)" the second time."""
-    seen: dict[str, int] = {}
-    out = []
-    for label, buf, at_round in steps:
-        seen[label] = seen.get(label, 0) + 1
-        out.append((label if seen[label] == 1 else f"{label} ({seen[label]})", buf, at_round))
-    return out
-
-
-def step_table(traces):
-    """From per-rank traces (``tplab.collectives.snapshots.trace_allreduce`` on every rank) build the
-    ordered list of step labels and, for each, every rank's buffer (carried forward if the rank did
-    nothing in that step). Steps are ordered by the algorithm's round number."""
-    traces = sorted((t for t in traces if t is not None), key=lambda t: t["rank"])
-    steps_of = [_unique_labels(t["steps"]) for t in traces]
-    order: dict[str, tuple] = {}  # label -> (round, where it first appeared): ties keep a rank's own order
-    for steps in steps_of:
-        for label, _, at_round in steps:
-            order.setdefault(label, (at_round, len(order)))
-    labels = sorted(order, key=order.get)
-    state = [None] * len(traces)
-    table = []
-    for label in labels:
-        for i, steps in enumerate(steps_of):
-            for step_label, buf, _ in steps:
-                if step_label == label:
-                    state[i] = buf
-        table.append((label, [list(s) if s is not None else [] for s in state]))
-    return labels, table
-
-
-def draw_allreduce_steps(traces, title: str | None = None, max_columns: int = 3):
-    """One panel per step, ``max_columns`` to a row (three keep the labels readable at JupyterLab's width);
-    rows are ranks, columns are elements of the vector. Each cell lists the ranks whose contributions it
-    holds; the colour deepens as it fills (the goal: every rank, every element, all p contributions)."""
-    traces = [t for t in traces if t is not None]  # ranks outside a sub-communicator return None
-    p = len(traces)
-    _, table = step_table(traces)
-    ncols = min(len(table), max_columns)
-    nrows = -(-len(table) // ncols)
-    count = max(len(b) for _, bufs in table for b in bufs)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(min(1.0 + 0.55 * count * ncols, MAX_WIDTH), 0.45 * p * nrows + 0.9),
-                             squeeze=False, constrained_layout=True)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, (label, bufs) in zip(axes.flat, table):
-        filled = np.array([[bin(m).count("1") for m in b] + [0] * (count - len(b)) for b in bufs])
-        ax.imshow(filled, cmap="Blues", vmin=0, vmax=p * 1.35, aspect="auto")
-        for r, b in enumerate(bufs):
-            for e, mask in enumerate(b):
-                full = bin(mask).count("1") == p
-                ax.text(e, r, _contributors(mask, p), ha="center", va="center", fontsize=8,
-                        color="white" if full else "black", fontweight="bold" if full else "normal")
-        ax.set_title(label, fontsize=8)
-        ax.set_xticks(range(count))
-        ax.set_xticklabels([])
-        ax.set_yticks(range(p))
-        ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=8)
-        ax.tick_params(length=0)
-        ax.axis("on")
-        for spine in ax.spines.values():
-            spine.set_visible(False)
-    suptitle(fig, title or "which contributions each element holds, step by step", fontsize=10)
-    return fig
 
 
 def plot_times(df, x="size", y="time_us", hue="algorithm", title=None, ax=None):
