@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-TPLAB = {"peer_one_shot", "peer_two_shot", "peer_ring", "auto"}
+TPLAB = {"peer_one_shot_ll", "peer_one_shot", "peer_two_shot", "peer_ring", "auto"}
 
 
 def best(rows, names, column="time_us", lowest=True):

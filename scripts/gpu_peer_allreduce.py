@@ -6,6 +6,7 @@ Implementations (tplab.gpu_collectives.peer_memory, tplab.gpu_collectives.copy_e
 
     nccl            ncclAllReduce
     one_shot        peer memory, flags in GPU memory, one kernel: every rank reads all p buffers
+    one_shot_ll     the same pushed: each rank writes its data, flags beside it, into every peer (LL)
     two_shot        the same, reduce-scatter by pushing chunks to their owners, allgather by pulling
     two_shot_pull   the same, both rounds by reading peers (the input copied into the shared buffer first)
     ring            the same, the textbook ring: 2(p-1) steps, each writing into the right neighbour
@@ -126,8 +127,8 @@ def main():
             def value(y):
                 return bf16_values(y) if bf16 else y.astype(cupy.int64 if dtype.startswith("int") else cupy.float64)
 
-            for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "auto"]:
-                if algorithm == "one_shot" and x.nbytes > pm.small:
+            for algorithm in ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "auto"]:
+                if x.nbytes > pm.limit(algorithm):
                     continue
                 first = pm.allreduce(x, algorithm, bf16=bf16)
                 again = pm.allreduce(x, algorithm, bf16=bf16)
@@ -147,13 +148,14 @@ def main():
                 ce.allreduce_(y, "bf16_bits")
                 verdict(f"copy_engine {dtype} n={count}", value(y), want, scale, tolerances[dtype])
     base = cupy.arange(4097, dtype=cupy.float32) + R
-    for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:  # a view 4 bytes into its allocation
+    # a view 4 bytes into its allocation
+    for algorithm in ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
         got = pm.allreduce(base[1:], algorithm)
         want = nccl.builtin_allreduce(base[1:].astype(cupy.float64))
         verdict(f"{algorithm} misaligned view", got.astype(cupy.float64), want, cupy.abs(want), 1e-6 * P)
     try:                                                             # CUDA graphs: 10 all-reduces captured
         stream = cupy.cuda.Stream(non_blocking=True)
-        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
+        for algorithm in ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
             x = cupy.asarray(np.random.default_rng(R).standard_normal(1 << 14).astype(np.float32))
             out = cupy.zeros_like(x)
             run = pm.allreduce_init(x, out, algorithm)
@@ -212,8 +214,8 @@ def main():
         out = cupy.empty_like(x)
         iters = 20 if size <= (1 << 20) else 10 if size <= (16 << 20) else 5
         runs = {("nccl", "copied"): lambda: nccl_allreduce(x, out)}
-        for algorithm in ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
-            if algorithm == "one_shot" and size > pm.small:
+        for algorithm in ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"]:
+            if size > pm.limit(algorithm):
                 continue                                 # reads (p-1)·n: pointless this large
             runs[(algorithm, "copied")] = pm.allreduce_init(x, out, algorithm)
             if algorithm in ("two_shot", "ring"):
@@ -229,7 +231,7 @@ def main():
             runs[("ring/nccl", "copied")] = lambda: tplab.allreduce(x, nccl, algorithm="ring", check=False)
         line = []
         for (name, where), run in runs.items():
-            graphable = name in ("nccl", "one_shot", "two_shot") and where != "copied, allreduce() call"
+            graphable = name in ("nccl", "one_shot", "one_shot_ll", "two_shot") and where != "copied, allreduce() call"
             modes = ["eager"] + (["graph"] if size <= (1 << 20) and graphable else [])
             for mode in modes:
                 try:

@@ -7,7 +7,7 @@
     mpiexec -n 4 tplab bench allreduce --algorithms ring,recursive_doubling,builtin -b 8 -e 64M -f 2
                                      time collectives (nccl-tests-like flags and columns)
     mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 256M -b 1K -e 256M -f 4 \
-        -a builtin,ring,peer_one_shot,peer_two_shot,peer_ring,auto
+        -a builtin,ring,peer_one_shot_ll,peer_one_shot,peer_two_shot,peer_ring,auto
                                      the same on a GPU node: one rank per GPU, NCCL as the built-in, and
                                      the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
     mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 64M -b 1K -e 4M -f 4 --graph \
@@ -74,7 +74,8 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
 
 
-PEER_KERNELS = ("peer_one_shot", "peer_two_shot", "peer_ring")  # --peer-memory: one kernel each, by name
+# --peer-memory: one kernel each, by name
+PEER_KERNELS = ("peer_one_shot_ll", "peer_one_shot", "peer_two_shot", "peer_ring")
 
 
 def cmd_bench(args) -> int:
@@ -124,7 +125,7 @@ def cmd_bench(args) -> int:
     for name in algorithms:
         if name in PEER_KERNELS:  # builtin on peer memory with that kernel (one_shot only up to its buffer)
             comm.kernel = name.removeprefix("peer_")
-            fits = [s for s in sizes if name != "peer_one_shot" or s <= comm.peers.small]
+            fits = [s for s in sizes if s <= comm.peers.limit(comm.kernel)]
             rows += sweep(args.collective, ["builtin"], fits, comm=comm, label=name, **options)
             comm.kernel = "auto"
         else:  # "builtin" is NCCL's where peer memory is attached: the anchor
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
                    help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")
     p.add_argument("--peer-memory", type=parse_size, default=0,
                    help="GPU all-reduce on a PeerMemoryComm with buffers of this size per rank (enables "
-                        "peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
+                        "peer_one_shot_ll, peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("nodes", help="several nodes on this machine: network namespaces joined by a shaped link "

@@ -49,11 +49,14 @@ def close(got, want, scale, dtype) -> bool:
     return bool((cupy.abs(got - want) <= TOLERANCE[dtype] * scale).all())
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "auto", "copy_engine"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull",
+                                       "auto", "copy_engine"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("count", [0, 1, 7, P + 1, 1023, 65537])
 def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
     x, values = inputs(dtype, count)
+    if x.nbytes > PEERS.limit(algorithm):
+        pytest.skip(f"{algorithm} takes up to {PEERS.limit(algorithm)} bytes")
     bf16 = dtype == "bfloat16"
     want = NCCL.builtin_allreduce(values)
     scale = NCCL.builtin_allreduce(cupy.abs(values).astype(cupy.float64))
@@ -86,7 +89,7 @@ def test_algorithms_in_any_order():
     the end barriers of the others): a random sequence of all of them, each checked."""
     rng = np.random.default_rng(7)  # the same sequence on every rank
     for step in range(40):
-        algorithm = ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"][rng.integers(5)]
+        algorithm = ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"][rng.integers(6)]
         count = int(rng.choice([5, 1000, 40000]))
         x, values = inputs("float32", count)
         got = PEERS.allreduce(x + step, algorithm)
@@ -95,7 +98,7 @@ def test_algorithms_in_any_order():
               f"step {step}: {algorithm} n={count}")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"])
 def test_replayed_from_a_cuda_graph(algorithm):
     x, values = inputs("float32", 4096)
     out = cupy.zeros_like(x)
@@ -172,6 +175,13 @@ def test_bad_arguments_raise_on_every_rank():
     if P > 1:
         with pytest.raises(ValueError, match="ranks disagree"):
             PEERS.allreduce(cupy.zeros(4 + COMM.rank, dtype="float32"))
+        with pytest.raises(ValueError, match="ranks disagree"):  # one_shot_ll's pushes meet the peers' barrier
+            PEERS.allreduce(cupy.zeros(64, dtype="float32"), "one_shot_ll" if COMM.rank == 0 else "two_shot")
+        with pytest.raises(ValueError, match="ranks disagree"):
+            PEERS.allreduce(cupy.zeros(64 + 4 * COMM.rank, dtype="float32"), "one_shot_ll")
+        x, values = inputs("float32", 1000)                     # and the next call is right
+        agree(close(PEERS.allreduce(x, "one_shot_ll").astype(cupy.float64), NCCL.builtin_allreduce(values),
+                    NCCL.builtin_allreduce(cupy.abs(values)), "float32"), "one_shot_ll after two mismatches")
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
 
@@ -206,7 +216,7 @@ def test_tplab_allreduce_on_peer_memory_runs_the_kernels():
         for count in [3, 1000, 300000]:
             x = cupy.arange(count, dtype=cupy.int32) + COMM.rank
             want = NCCL.builtin_allreduce(x)
-            for kernel in ["auto", "one_shot", "two_shot", "ring"]:
+            for kernel in ["auto", "one_shot_ll", "one_shot", "two_shot", "ring"]:
                 comm.kernel = kernel
                 for _ in range(2):  # the plan's first call and a later one
                     agree(bool((tplab.allreduce(x, comm) == want).all()), f"{kernel} n={count}")

@@ -78,20 +78,40 @@ __device__ __forceinline__ void barrier(unsigned int* const* flags, unsigned int
     barrier_at(blockIdx.x, flags, epochs, rank, who);
 }
 
+// ---- lines that carry their own "ready" mark (NCCL's LL protocol) ------------------------------------------
+// A line is 16 bytes {lo, tag, hi, tag}: 8 bytes of payload, each 4-byte half beside the same tag. A 16-byte
+// store reaches a peer as two 8-byte halves that are each whole, so a line whose two tags both read t holds
+// the payload stored with tag t. No fence and no separate flag: the reader polls the line itself. (A
+// release store would first wait until this thread's earlier stores had reached the peers: about a
+// microsecond and a half over NVLink.) The agreement's signatures and one_shot_ll's data travel this way.
+__device__ __forceinline__ void store_line(uint4* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
+__device__ __forceinline__ uint4 load_line(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v; }
+__device__ __forceinline__ bool line_has(uint4 v, unsigned int tag) { return v.y == tag && v.w == tag; }
+// Where a line must also order other data (one_shot's staged input): a fence before sending it and one after
+// receiving it make a release and an acquire (acq_rel: what st.release / ld.acquire do, not the costlier
+// sequentially consistent fence that __threadfence_system() is).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 // ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
-// Block 0 of every rank meets block 0 of every peer at AGREE_SLOT, each carrying a 64-bit signature of its
-// arguments (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to
-// say so"). All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every
+// Block 0 of every rank sends every peer's block 0 a line holding a 64-bit signature of its arguments
+// (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
+// tagged with the agreement's number e, and polls its own lines until every peer's of number e is there. All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every
 // rank's kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
 // up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
 // verdict is never taken for this call's. Signature 0 skips the step: the caller ran agree_only first (each
-// call agrees exactly once on every rank, whatever path it takes). The signatures alternate between two rows (the parity of the
-// agreement count): a peer can be at most one call ahead, so it never overwrites the row still being read.
+// call agrees exactly once on every rank, whatever path it takes). The lines alternate between two rows (the
+// parity of e): a peer can be at most one call ahead, so it never overwrites the row still being read.
 #define MAX_SLOTS 1024                                   // flag slots per rank (MAX_BLOCKS in peer_memory.py)
 #define AGREE_SLOT (MAX_SLOTS - 3)
-#define SIGNATURES (MAX_SLOTS * MAX_RANKS)               // words: the signatures follow the flags
+#define SIGNATURES (MAX_SLOTS * MAX_RANKS)               // words: the signature lines (2 rows) follow the flags
 #define REFUSED 0xffffffffffffffffULL
 enum { AGREED = 0, MISMATCH = 1, PEER_REFUSED = 2, TIMEOUT = 3, SELF_REFUSED = 4, FAILED_BEFORE = 5 };
 
@@ -114,15 +134,29 @@ __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned lo
 __device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) {
     unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 
+// Rank r's signature line in rank q's row e & 1, and the first half of block 0's part alone: tell every
+// peer "I am at agreement e, with this signature". A kernel may send it first and meet the peers later
+// (agree(..., signalled = true)): one_shot_ll pushes its data in between.
+__device__ __forceinline__ uint4* signature_line(unsigned int* const* flags, int q, unsigned int e, int r) {
+    return (uint4*)(flags[q] + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
+__device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned int* const* flags,
+                                             unsigned int* epochs, int rank, int p) {
+    const unsigned int e = epochs[AGREE_SLOT] + 1;
+    const int q = threadIdx.x;
+    if (blockIdx.x == 0 && q < p && q != rank)
+        store_line(signature_line(flags, q, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e));
+}
+
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
 // ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
 // part of the input into this rank's buffer; block 0 waits for them all (a counter in local memory), then
-// meets its peers' block 0 once -- one NVLink round trip for the whole call, whatever the grid. (Ordering:
-// each block's writes, its fence and counter increment, block 0's acquire of the counter and its
-// system-scope release to the peers form one causality chain.) Signature 0 then still meets the peers but
-// compares nothing.
+// meets its peers' block 0 once -- one NVLink crossing for the whole call, whatever the grid. (Ordering:
+// each block's writes, its fence and counter increment, block 0's acquire of the counter, a system-scope
+// fence before the signature line goes out, and one after the peers' lines came in -- the fence-based
+// release and acquire -- form one causality chain.) Signature 0 then still meets the peers but compares
+// nothing.
 __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* flags, unsigned int* epochs,
-                     int rank, int p, bool after_writes = false) {
+                     int rank, int p, bool after_writes = false, bool signalled = false) {
     if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
@@ -147,20 +181,25 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
         }
         __syncthreads();
         const unsigned int e = epochs[AGREE_SLOT] + 1;
-        const int row = (e & 1u) * MAX_RANKS;
         const int q = threadIdx.x;
         if (q < p && q != rank) {
-            ((unsigned long long*)(flags[q] + SIGNATURES))[row + rank] = sig;   // ordered by the release below
-            store_release(flags[q] + AGREE_SLOT * MAX_RANKS + rank, e);
-            const unsigned int* mine = flags[rank] + AGREE_SLOT * MAX_RANKS + q;
+            if (!signalled) {
+                if (after_writes) fence_acq_rel_sys();      // (release: the staged input before the line)
+                store_line(signature_line(flags, q, e, rank),
+                           make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e));
+            }
+            const uint4* mine = signature_line(flags, rank, e, q);
             const unsigned long long start = globaltimer();
             unsigned int spins = 0;
             int o = AGREED;
-            while ((int)(load_acquire(mine) - e) < 0)
+            uint4 line = load_line(mine);
+            while (!line_has(line, e)) {
                 if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
+                line = load_line(mine);
+            }
             if (o == AGREED) {
-                const unsigned long long theirs =
-                    ((volatile unsigned long long*)(flags[rank] + SIGNATURES))[row + q];
+                if (after_writes) fence_acq_rel_sys();      // (acquire: the peer's staged input after its line)
+                const unsigned long long theirs = line.x | ((unsigned long long)line.z << 32);
                 seen[q] = theirs;
                 if (theirs != sig && sig != 0) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
             }
@@ -242,14 +281,11 @@ __device__ __forceinline__ void copy_packs(uint4* dst, const uint4* src, long lo
     FOR_MY_PACKS(i, first, last) dst[i] = load_peer(src + i);
 }
 
-// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...  in rank order, in Acc, rounded once.
+// ((v[0] + v[1]) + v[2]) + ...  in rank order, in Acc, rounded once.
 template <typename T>
-__device__ __forceinline__ uint4 sum_in_rank_order(const uint4* const* in, int p, long long i) {
+__device__ __forceinline__ uint4 sum_packs(const Pack<T>* v, int p) {
     typedef typename Num<T>::Acc Acc;
     const int N = 16 / sizeof(T);
-    Pack<T> v[MAX_RANKS];
-#pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++) if (q < p) v[q].raw = load_peer(in[q] + i);     // p loads in flight
     Acc acc[N];
 #pragma unroll
     for (int k = 0; k < N; k++) acc[k] = Num<T>::up(v[0].e[k]);
@@ -263,6 +299,15 @@ __device__ __forceinline__ uint4 sum_in_rank_order(const uint4* const* in, int p
 #pragma unroll
     for (int k = 0; k < N; k++) out.e[k] = Num<T>::down(acc[k]);
     return out.raw;
+}
+
+// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...  in rank order, in Acc, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 sum_in_rank_order(const uint4* const* in, int p, long long i) {
+    Pack<T> v[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) if (q < p) v[q].raw = load_peer(in[q] + i);     // p loads in flight
+    return sum_packs<T>(v, p);
 }
 
 // a + b elementwise, rounded to T (one step of the ring)
@@ -299,6 +344,81 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
     if (agree(ctl, sig, flags, epochs, rank, p, true) != AGREED) { finish(ctl); return; }   // also the barrier
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
+    finish(ctl);
+}
+
+// ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
+// Every rank pushes its input straight into every peer's LL area, 8 bytes of data per 16-byte store with
+// the call's number beside each 4-byte half: {d0, call, d1, call}. A 16-byte store reaches the peer as two
+// 8-byte halves that are each whole, so a line whose two numbers both say "this call" holds this call's
+// data. The reader polls its own (local) memory for that: no barrier, no fence, no remote read -- one
+// NVLink crossing per call, where one_shot needs a barrier and then a round of remote reads.
+//   signal the agreement;  for q != r: bufs[q] LL slot r = x with the call's number;  agree (wait only)
+//   out = sum in rank order of (x for me, my LL slot q for q), each line polled until it is this call's
+// The area alternates between two halves by the call's parity (a peer is at most one call ahead), and a
+// line left over from an older call carries an older number: nothing is ever cleared. Call numbers are
+// the same on every rank (every call on every path finishes once everywhere) and start at 1 over a zeroed
+// area. Lines: ``slot_lines`` per sender, ``p`` senders per half, from uint4 index ``base``.
+
+// Poll a line from rank q until it is this call's. A peer that agreed to the call then pushes its data, so
+// waiting can only fail if its process died mid-call: give up after ctl->timeout_ns (or at once once
+// another thread has), and report it as the agreement reports a peer that never came.
+__device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call, Control* ctl, int q) {
+    uint4 v = load_line(line);
+    if (v.y != call || v.w != call) {
+        const unsigned long long start = globaltimer();
+        unsigned int spins = 0;
+        do {
+            v = load_line(line);
+            if ((++spins & 1023u) == 0 && (*(volatile unsigned int*)&ctl->failed
+                                           || globaltimer() - start > ctl->timeout_ns)) {
+                if (atomicExch(&ctl->failed, 1u) == 0u) {   // the first thread to give up reports it
+                    volatile unsigned int* s = ctl->status;
+                    s[1] = (unsigned int)q;
+                    s[4] = call;
+                    __threadfence_system();
+                    s[0] = TIMEOUT;
+                }
+                break;
+            }
+        } while (v.y != call || v.w != call);
+    }
+    return make_uint2(v.x, v.z);
+}
+
+template <typename T>
+__global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
+                            unsigned int* epochs, int rank, int p, long long packs, long long base,
+                            long long slot_lines, Control* ctl, unsigned long long sig) {
+    if (sig != 0) {
+        if (*(volatile unsigned int*)&ctl->failed) { finish(ctl); return; }   // (as agree: peers are not coming)
+        agree_signal(sig, flags, epochs, rank, p);
+    }
+    const unsigned int call = *(volatile unsigned int*)&ctl->calls + 1;
+    const long long area = base + (long long)(call & 1u) * p * slot_lines;
+    FOR_MY_PACKS(i, 0, packs) {                              // push: two lines per 16-byte pack, to every peer
+        const uint4 v = x[i];
+        const uint4 low = make_uint4(v.x, call, v.y, call), high = make_uint4(v.z, call, v.w, call);
+        for (int step = 1; step < p; step++) {              // rank r starts at r+1: peers spread the load
+            uint4* line = bufs[(rank + step) % p] + area + rank * slot_lines + 2 * i;
+            store_line(line, low);
+            store_line(line + 1, high);
+        }
+    }
+    if (agree(ctl, sig, flags, epochs, rank, p, false, true) != AGREED) { finish(ctl); return; }
+    const uint4* mine = bufs[rank] + area;
+    FOR_MY_PACKS(i, 0, packs) {
+        Pack<T> v[MAX_RANKS];
+#pragma unroll
+        for (int q = 0; q < MAX_RANKS; q++) {
+            if (q >= p) continue;
+            if (q == rank) { v[q].raw = x[i]; continue; }
+            const uint2 a = wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
+            const uint2 b = wait_line(mine + q * slot_lines + 2 * i + 1, call, ctl, q);
+            v[q].raw = make_uint4(a.x, a.y, b.x, b.y);
+        }
+        out[i] = sum_packs<T>(v, p);
+    }
     finish(ctl);
 }
 

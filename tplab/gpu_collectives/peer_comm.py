@@ -31,7 +31,7 @@ from tplab.gpu_collectives.peer_memory import THREADS, PeerMemory
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import is_gpu_array, is_torch, torch_stream_pointer
 
-KERNELS = ("auto", "one_shot", "two_shot", "ring")
+KERNELS = ("auto", "one_shot_ll", "one_shot", "two_shot", "ring")
 
 
 class PeerMemoryComm(Wrapped):
@@ -74,7 +74,7 @@ class PeerMemoryComm(Wrapped):
 
     # ---- its own collectives --------------------------------------------------------------------------------
     def _kernels_take(self, nbytes: int, dtype_name: str, op_name: str) -> bool:
-        fits = nbytes <= (self.peers.small if self.kernel == "one_shot" else self.peers.nbytes)
+        fits = nbytes <= self.peers.limit(self.kernel)
         return op_name == "sum" and dtype_name in KERNEL_TYPES and fits
 
     def builtin_allreduce(self, x, op="sum"):

@@ -31,7 +31,7 @@ def kernel(name: str):
 def _module():
     import cupy
 
-    templates = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
+    templates = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
     names = ["flag_barrier", "allgather", "alltoall", "agree_only"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     source = Path(__file__).with_name("peer_allreduce.cu").read_text()
     return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)

@@ -10,6 +10,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
 
     algorithm      rounds  NVLink bytes per rank          for
     one_shot       1       (p-1)·n read                    small messages: latency is all that counts
+    one_shot_ll    1       2(p-1)·n written: each 8 bytes  the smallest messages: the data carries its own
+                           of data go with a 4-byte flag   "ready" flag, so no barrier and no remote read
+                           twice (NCCL's LL protocol)
     two_shot       2       2(p-1)/p·n: push the chunks to  large messages on a switch (NVSwitch): every
                            their owners, pull the results  link busy at once
     two_shot_pull  2       the same, both rounds pulled    inputs already in the shared buffer (registered)
@@ -38,14 +41,15 @@ from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
 from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
 
-ALGORITHMS = ("one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull")
+ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
+LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
 MAX_RANKS = 8               # as in peer_allreduce.cu
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (peer_allreduce.cu)
-SIGNATURE_BYTES = 2 * MAX_RANKS * 8  # two rows of the peers' 64-bit signatures, after the flags
+SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in peer_allreduce.cu)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
@@ -85,9 +89,15 @@ class PeerMemory:
         line = PACK * LINE_PACKS * self.size
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
+        self.ll_bytes = min(self.small, LL_BYTES)                       # one_shot_ll: its area after those
+        self.ll_slot_lines = 2 * self.ll_bytes // PACK                  # 16-byte lines per sender
+        ll_area = 2 * self.size * self.ll_slot_lines * PACK
+        if len(set(mpi_comm.allgather((self.nbytes, self.small)))) != 1:  # (kernels write into peers' areas)
+            raise ValueError("PeerMemory: every rank must pass the same max_bytes")
         flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES
-        self._own = [rt.malloc(self.nbytes + 2 * self.small), rt.malloc(flag_bytes)]  # whole allocations: IPC exports those
-        rt.memset(self._own[1], 0, flag_bytes)
+        self._own = [rt.malloc(self.nbytes + 2 * self.small + ll_area), rt.malloc(flag_bytes)]  # (IPC exports
+        rt.memset(self._own[1], 0, flag_bytes)                                                     #  whole allocations)
+        rt.memset(self._own[0] + self.nbytes + 2 * self.small, 0, ll_area)   # flags 0: no call's yet
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
         self._status_pointer = rt.hostAlloc(STATUS_WORDS * 4, 3)     # pinned, mapped (cudaHostAllocPortable | Mapped)
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
@@ -197,6 +207,10 @@ class PeerMemory:
         return a.data.ptr == self._own[0]
 
     # ---- the all-reduce ---------------------------------------------------------------------------------
+    def limit(self, algorithm: str) -> int:
+        """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own)."""
+        return {"one_shot": self.small, "one_shot_ll": self.ll_bytes}.get(algorithm, self.nbytes)
+
     def choose(self, nbytes: int) -> str:
         """What "auto" runs for ``nbytes`` per rank: the fastest measured at the nearest size at or above
         (``tune`` measures them here; until then, the switch points measured on 4x H100)."""
@@ -271,12 +285,14 @@ class PeerMemory:
         by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
         packs = source.nbytes // PACK
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
-        work = packs if algorithm == "one_shot" else chunk
+        work = packs if algorithm.startswith("one_shot") else chunk
         blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
         args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
                 np.int32(self.rank), np.int32(self.size)]
         if algorithm == "one_shot":
             args += [np.int64(packs), np.int64(self.nbytes // PACK), np.int64(self.small // PACK)]
+        elif algorithm == "one_shot_ll":
+            args += [np.int64(packs), np.int64((self.nbytes + 2 * self.small) // PACK), np.int64(self.ll_slot_lines)]
         else:
             args += [np.int64(chunk), np.int64(packs)]
         args += [self.control, np.uint64(sig)]
@@ -363,8 +379,8 @@ class PeerMemory:
         for nbytes in sizes:
             x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
             out = cupy.empty_like(x)
-            for algorithm in ("one_shot", "two_shot", "ring"):
-                if algorithm == "one_shot" and nbytes > self.small:
+            for algorithm in ("one_shot_ll", "one_shot", "two_shot", "ring"):
+                if nbytes > self.limit(algorithm):
                     continue
                 run = self.allreduce_init(x, out, algorithm)
                 for _ in range(3):
@@ -422,9 +438,9 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}"
     if x.device.id != pm.device:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
-    one_shot = algorithm == "one_shot" or (algorithm == "auto" and pm.choose(x.nbytes) == "one_shot")
-    if one_shot and x.nbytes > pm.small:
-        return f"one_shot handles up to {pm.small} bytes, not {x.nbytes}: use two_shot or ring"
+    chosen = pm.choose(x.nbytes) if algorithm == "auto" else algorithm
+    if x.nbytes > pm.limit(chosen):
+        return f"{chosen} handles up to {pm.limit(chosen)} bytes, not {x.nbytes}: use two_shot or ring"
     return ""
 
 
