@@ -29,15 +29,13 @@ from tplab.toolkit.timing import median_of_slowest, time_calls
 @contextmanager
 def timing_mode(threads: int | None = None):
     """No argument checks in the collectives, no autograd; optionally ``threads`` torch threads."""
-    checks, old_threads = mappings.check_arguments, torch.get_num_threads()
-    mappings.check_arguments = False
+    old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        with torch.inference_mode():
+        with mappings.argument_checks_off(), torch.inference_mode():
             yield
     finally:
-        mappings.check_arguments = checks
         torch.set_num_threads(old_threads)
 
 
