@@ -24,6 +24,7 @@ from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.schedulers import list_schedule, longest_first, makespan
 from tplab.balance.workloads import describe, make_requests
 from tplab.balance.workqueue import guided_chunks
+from tplab.comm import world
 from tplab.toolkit.machine import cpu_model, mpi_library
 
 
@@ -36,18 +37,10 @@ def build_model(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2048,
                          n_embd=n_embd, dtype=getattr(torch, dtype))).eval()
 
 
-def _world(comm):
-    if comm is None:
-        from tplab.comm import world
-
-        return world()
-    return comm
-
-
 def calibrate(model, tp=1, lengths=(16, 64, 256, 1024), repeats=3, comm=None) -> SequenceCost:
     """Fit a + b·s + c·s² to forward times of one sequence per length, measured by every group at once
     (the conditions of the real run), averaged over the groups; the same fit on every rank."""
-    comm = _world(comm)
+    comm = comm or world()
     groups = data_parallel_groups(comm, tp)
     lengths = [s for s in lengths if s <= model.config.block_size]
     times = time_sequences(groups.shard(model), lengths, model.config.vocab_size, repeats)
@@ -74,7 +67,7 @@ def measure_strategies(model, requests, strategies=STRATEGIES, tp=1, repeats=3, 
     """(rows, intervals): one summary row per (strategy, repeat); with ``keep_intervals`` the last
     repeat's intervals of each strategy (for Gantt charts). Strategies alternate within each repeat so
     that slow phases of a shared machine hit them all alike."""
-    comm = _world(comm)
+    comm = comm or world()
     lengths = [r.length for r in requests]
     rows, intervals = [], []
     run_requests(model, requests[: max(1, comm.size)], comm, strategy="round_robin", tp=tp)  # warm-up
@@ -96,7 +89,7 @@ def measure_pipeline(model, requests, m_values=(1, 2, 4, 8), how=("count", "bala
                      keep_intervals=False) -> tuple[list[dict], list[dict]]:
     """GPipe runs for several micro-batch counts m and micro-batching rules: measured bubble next to
     (p-1)/(m+p-1) and to the unequal-micro-batch formula from the predicted costs."""
-    comm = _world(comm)
+    comm = comm or world()
     stages = stages or comm.size // tp
     lengths = [r.length for r in requests]
     cost = cost or SequenceCost.from_flops(model.config)
@@ -160,8 +153,6 @@ def main(argv=None):
     parser.add_argument("--pipeline-csv", help="GPipe: one row per (tp, m, micro-batching, repeat)")
     parser.add_argument("--pipeline-requests", type=int, default=32)
     args = parser.parse_args(argv)
-
-    from tplab.comm import world
 
     comm = world()
     machine = args.machine or machine_description()

@@ -17,6 +17,7 @@ from tplab.balance.cost import SequenceCost, time_sequences
 from tplab.balance.groups import data_parallel_groups
 from tplab.balance.runner import STRATEGIES, run_requests
 from tplab.balance.workloads import make_requests
+from tplab.comm import world
 
 _models: dict = {}
 
@@ -32,7 +33,7 @@ def calibration(model: dict, tp=1, lengths=(8, 32, 128, 256, 512), repeats=3) ->
     """Forward time of one sequence per length on every group at once (mean over ranks) and the fit
     a + b·s + c·s² through it."""
     m = model_for(model)
-    groups = data_parallel_groups(_world(), tp)
+    groups = data_parallel_groups(world(), tp)
     lengths = [s for s in lengths if s <= m.config.block_size]
     seconds = np.mean(groups.control.allgather_object(time_sequences(groups.shard(m), lengths, m.config.vocab_size,
                                                                      repeats)), axis=0)
@@ -68,7 +69,7 @@ def packing_check(model: dict, lengths=(5, 1, 11, 4), mode="pack") -> float:
     from tplab.models import parallelize
 
     m = model_for(model)
-    sharded = parallelize(m, _world())
+    sharded = parallelize(m, world())
     generator = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, m.config.vocab_size, (s,), generator=generator) for s in lengths]
     batch = make_batch(sequences, mode)
@@ -86,9 +87,3 @@ def pipeline(model: dict, workload: dict, m_values=(1, 2, 4, 8), how=("count", "
     rows, intervals = measure_pipeline(m, requests, m_values, how, tp=tp, mode=mode, repeats=repeats, cost=cost,
                                        keep_intervals=True)
     return {"rows": rows, "intervals": intervals}
-
-
-def _world():
-    from tplab.comm import world
-
-    return world()

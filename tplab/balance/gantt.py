@@ -2,7 +2,6 @@
 
     plot_gantt(df)                       bars coloured by ``color_by`` (default: the work item)
     plot_gantt(df, label="item")         with each bar's item written on it (when it fits)
-    as_trace(df)                         the same rows for tplab.lab.plots.plot_timeline (the overlap tracer's view)
 
 Idle time is the white between bars; a dynamic queue's "pull" rows (waiting for the next item) are
 drawn as thin grey hatched bars. The makespan is the right edge of the last work bar (a dashed line).
@@ -57,12 +56,3 @@ def plot_gantt(df, *, lane="rank", color_by="item", label=None, ax=None, title=N
     if legend and len(waits):
         ax.legend(fontsize=8, loc="upper right")
     return fig
-
-
-def as_trace(df):
-    """The intervals in the columns of tplab.overlap's tracer (rank, lane, kind, start, end), so that
-    ``tplab.lab.plots.plot_timeline`` draws them too: work items are "compute", queue pulls "wait"."""
-    out = df.copy()
-    out["lane"] = "main"
-    out["kind"] = out["what"].map({"pull": "wait"}).fillna("compute") if "what" in out else "compute"
-    return out

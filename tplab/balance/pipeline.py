@@ -34,6 +34,7 @@ from tplab.balance.packing import embed, head, make_batch, run_block
 from tplab.balance.schedulers import lpt
 from tplab.balance.timeline import Timeline
 from tplab.balance.workloads import check_requests
+from tplab.comm import world
 
 _stage_comms: dict = {}  # (id(comm), tp, timeout) -> _Stages
 
@@ -141,10 +142,7 @@ def run_pipeline(model, requests, micro_batch_ids, comm=None, *, stages=None, tp
                  keep_outputs=False, timeout=600.0) -> PipelineResult:
     """Stream the micro-batches (lists of request ids; "pack" or "pad" each into one forward pass)
     through ``stages`` stages of ``tp`` ranks each (default: every rank its own stage). Collective."""
-    if comm is None:
-        from tplab.comm import world
-
-        comm = world()
+    comm = comm or world()
     stages = stages or comm.size // tp
     if stages * tp != comm.size:
         raise ValueError(f"{stages} stages x tp {tp} = {stages * tp} ranks, but there are {comm.size}")

@@ -34,6 +34,7 @@ from tplab.balance.schedulers import STATIC_SCHEDULERS, longest_first, static_sc
 from tplab.balance.timeline import Timeline
 from tplab.balance.workloads import check_requests
 from tplab.balance.workqueue import WorkQueue
+from tplab.comm import world
 
 STRATEGIES = (*STATIC_SCHEDULERS, "dynamic", "dynamic_lpt", "guided")
 
@@ -69,10 +70,7 @@ def run_requests(model, requests, comm=None, *, strategy="lpt", tp=1, batching="
     intervals; ``outputs`` (with ``keep_outputs``) holds the logits of the requests its group ran."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
-    if comm is None:
-        from tplab.comm import world
-
-        comm = world()
+    comm = comm or world()
     by_id = check_requests(requests, model.config.block_size)
     items = work_items(requests, batching, max_tokens, batch_size, sort_batches)
     mode = batching  # "single", "pad" or "pack" (checked by work_items)

@@ -28,22 +28,9 @@ import numpy as np
 
 from tplab.collectives.bruck import bruck_alltoall
 from tplab.collectives.checks import CollectiveArgumentError
+from tplab.toolkit.arrays import is_torch
 
 ALGORITHMS = ("pairwise", "bruck")
-
-
-def _empty_like(x):
-    if type(x).__module__.split(".")[0] == "torch":
-        import torch
-
-        return torch.empty_like(x)
-    return np.empty_like(x)
-
-
-def _contiguous(x):
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.contiguous()
-    return np.ascontiguousarray(x)
 
 
 def _check(x, comm, algorithm) -> None:
@@ -69,10 +56,10 @@ def alltoall(x, comm, *, algorithm: str = "pairwise", check: bool = True):
     if not check and x.shape[0] != comm.size:
         raise CollectiveArgumentError(f"alltoall: first dimension {x.shape[0]} != number of ranks {comm.size}")
     p, r = comm.size, comm.rank
-    x = _contiguous(x)
+    x = x.contiguous() if is_torch(x) else np.ascontiguousarray(x)
     if algorithm == "bruck":
         return bruck_alltoall(x, comm)
-    out = _empty_like(x)
+    out = x.new_empty(x.shape) if is_torch(x) else np.empty_like(x)
     out[r] = x[r]  # my own block stays here (a local copy, not a message)
     for step in range(1, p):
         to, frm = (r + step) % p, (r - step) % p

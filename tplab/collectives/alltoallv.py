@@ -23,16 +23,12 @@ from __future__ import annotations
 import numpy as np
 
 from tplab.collectives.checks import CollectiveArgumentError
-from tplab.toolkit.arrays import array_module
+from tplab.toolkit.arrays import array_module, is_torch
 from tplab.toolkit.blocks import offsets
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
-
-
 def _empty_rows(x, rows: int):
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -92,7 +88,7 @@ def alltoallv(x, send_counts, comm, recv_counts=None, *, check: bool = True):
             everyone = comm.allgather_object([int(c) for c in send_counts])
             recv_counts = [everyone[j][r] for j in range(p)]
     send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-    x = x.contiguous() if _is_torch(x) else array_module(x).ascontiguousarray(x)
+    x = x.contiguous() if is_torch(x) else array_module(x).ascontiguousarray(x)
     out = _empty_rows(x, sum(recv_counts))
     row = int(np.prod(x.shape[1:], dtype=np.int64))  # elements per row: messages are 1-D slices of the flat
     so, ro = [row * o for o in offsets(send_counts)], [row * o for o in offsets(recv_counts)]

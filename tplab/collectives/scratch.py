@@ -44,8 +44,3 @@ def forget_thread(ident: int) -> None:
     """Free the buffers of a thread that has finished (``threading.get_ident()`` of it)."""
     for key in [k for k in _buffers if k[0] == ident]:
         del _buffers[key]
-
-
-def release_all() -> None:
-    """Forget every scratch buffer (frees the memory)."""
-    _buffers.clear()

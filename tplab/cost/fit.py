@@ -63,6 +63,24 @@ def _array_module_and_wait(gpu: bool):
     return cupy, lambda: cupy.cuda.get_current_stream().synchronize()
 
 
+def _median_seconds(run, iters, warmup, barrier=None, wait=None) -> float:
+    """This rank's median seconds of ``run()`` over ``iters`` calls after ``warmup`` untimed ones; each call
+    starts after ``barrier()`` and ends when ``wait()`` returns (the GPU's work done), where given. What
+    ``run`` returns is freed after the clock stops (``measure_reduction``'s fresh result)."""
+    times = []
+    for i in range(warmup + iters):
+        if barrier:
+            barrier()
+        t0 = time.perf_counter()
+        result = run()
+        if wait:
+            wait()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        del result
+    return float(np.median(times))
+
+
 def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict]:
     """One algorithm step, timed the way algorithms take them: back to back. Every rank holds a vector
     of p blocks of ``size`` bytes and runs p-1 ring steps in a row, each ``sendrecv``-ing a different
@@ -83,18 +101,14 @@ def measure_exchange(comm, sizes=DEFAULT_SIZES, iters=30, warmup=3) -> list[dict
     rows = []
     for size in sizes:
         vector, incoming = xp.ones(size * max(p, 2), dtype=np.uint8), xp.empty(size, dtype=np.uint8)
-        times = []
-        for i in range(warmup + iters):
-            comm.barrier()
-            t0 = time.perf_counter()
+
+        def chain():
             for step in range(steps):
                 k = (r - step - 1) % max(p, 2)
                 comm.sendrecv(vector[k * size:(k + 1) * size], right, incoming, left)
-            if wait:
-                wait()
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) / steps)
-        rows.append({"size": int(size), "time_s": max(comm.allgather_object(float(np.median(times))))})
+
+        seconds = _median_seconds(chain, iters, warmup, comm.barrier, wait) / steps
+        rows.append({"size": int(size), "time_s": max(comm.allgather_object(seconds))})
     return rows
 
 
@@ -111,17 +125,8 @@ def measure_reduction(sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3, 
     for size in sizes:
         count = max(int(size) // dt.itemsize, 1)
         a, b = xp.ones(count, dtype=dt), xp.ones(count, dtype=dt)
-        times = []
-        for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            result = xp.empty(count, dtype=dt)
-            xp.add(a, b, out=result)
-            if wait:
-                wait()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            del result
-        rows.append({"size": count * dt.itemsize, "time_s": float(np.median(times))})
+        seconds = _median_seconds(lambda: xp.add(a, b, out=xp.empty(count, dtype=dt)), iters, warmup, wait=wait)
+        rows.append({"size": count * dt.itemsize, "time_s": seconds})
     return rows
 
 
@@ -137,16 +142,12 @@ def measure_entry(comm, sizes=DEFAULT_SIZES, iters=30, dtype="float32", warmup=3
     rows = []
     for size in sizes:
         x = xp.ones(max(int(size) // dt.itemsize, 1), dtype=dt)
-        times = []
-        for i in range(warmup + iters):
-            comm.barrier()
-            t0 = time.perf_counter()
-            allreduce(x, alone, algorithm="ring", check=False)
-            if wait:
-                wait()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        rows.append({"size": x.nbytes, "time_s": max(comm.allgather_object(float(np.median(times))))})
+
+        def call():
+            allreduce(x, alone, algorithm="ring", check=False)  # (its result is freed inside the clock, as a caller's)
+
+        seconds = _median_seconds(call, iters, warmup, comm.barrier, wait)
+        rows.append({"size": x.nbytes, "time_s": max(comm.allgather_object(seconds))})
     alone.free()
     return rows
 

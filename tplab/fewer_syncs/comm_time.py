@@ -18,7 +18,6 @@ bytes / bandwidth), as if each rank sat on its own machine behind a slow link.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 
 import torch
@@ -31,19 +30,6 @@ from tplab.layers import mappings
 def default_heads(p: int) -> int:
     """The student project's 4 heads where p divides 4; else p heads (one per rank)."""
     return 4 if 4 % p == 0 else p
-
-
-@contextlib.contextmanager
-def _no_argument_checks():
-    """Skip tplab's cross-rank argument agreement before each collective while timing (if supported)."""
-    saved = getattr(mappings, "check_arguments", None)
-    if saved is not None:
-        mappings.check_arguments = False
-    try:
-        yield
-    finally:
-        if saved is not None:
-            mappings.check_arguments = saved
 
 
 def _communicator(comm, network):
@@ -74,7 +60,7 @@ def comm_time_per_step(patterns=None, *, batch_size=4, block_size=64, n_embd=Non
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (batch_size, block_size), generator=g).to(device or "cpu")
     rows = []
-    with _no_argument_checks():
+    with mappings.argument_checks_off():
         for name, pattern in patterns.items():
             ranks = RealRanks(comm, algorithm=algorithm, timing=True, device=device)
             dense = dense_gpt(len(pattern), vocab_size, block_size, n_head, n_embd)

@@ -107,7 +107,17 @@ def shared_weights(ranks, tensors):
     return tuple(None if t is None else next(passed) for t in tensors)
 
 
-class SimulatedRanks:
+class _Ranks:
+    """What both kinds share: the stopwatch's totals, and replicated weights through _SharedWeights."""
+
+    def reset_clock(self):
+        self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
+
+    def shared(self, *tensors):
+        return shared_weights(self, tensors)
+
+
+class SimulatedRanks(_Ranks):
     """p tensor-parallel ranks simulated in this process (no communication; sums stand in for it)."""
 
     def __init__(self, p: int):
@@ -115,7 +125,7 @@ class SimulatedRanks:
             raise ValueError(f"the number of simulated ranks must be a positive integer, not {p!r}")
         self.size = p
         self.local = list(range(p))
-        self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
+        self.reset_clock()
 
     def view(self, shard: int) -> ShardView:
         return ShardView(shard, self.size)
@@ -126,17 +136,11 @@ class SimulatedRanks:
     def reduce_out(self, parts):  # p x (b, s, h) -> (b, s, h)
         return _SimulatedSum.apply(*parts)
 
-    def shared(self, *tensors):
-        return shared_weights(self, tensors)
-
     def _sum_weight_grads(self, grads):
         return grads  # autograd has already added up the p shards' uses of each weight
 
     def sum_over_ranks(self, t):
         return t  # every shard is here: sums over shards are already complete
-
-    def reset_clock(self):
-        self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
 
     def __repr__(self):
         return f"<SimulatedRanks p={self.size}>"
@@ -151,35 +155,26 @@ def clock(device=None) -> float:
     return time.perf_counter()
 
 
-class _StartClock(torch.autograd.Function):
-    """Identity. Its backward runs just before f's backward all-reduce: start the clock."""
+class _Clock(torch.autograd.Function):
+    """Identity. Its backward starts the clock (``start=True``: placed so that it runs just before f's
+    backward all-reduce) or stops it (just after), adding the time to ``comm_seconds["backward"]``."""
 
     @staticmethod
-    def forward(ctx, x, ranks):
-        ctx.ranks = ranks
+    def forward(ctx, x, ranks, start):
+        ctx.ranks, ctx.start = ranks, start
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ranks._started = clock(ctx.ranks.device)
-        return grad, None
+        ranks = ctx.ranks
+        if ctx.start:
+            ranks._started = clock(ranks.device)
+        else:
+            ranks.comm_seconds["backward"] += clock(ranks.device) - ranks._started
+        return grad, None, None
 
 
-class _StopClock(torch.autograd.Function):
-    """Identity. Its backward runs just after f's backward all-reduce: stop the clock."""
-
-    @staticmethod
-    def forward(ctx, x, ranks):
-        ctx.ranks = ranks
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.ranks.comm_seconds["backward"] += clock(ctx.ranks.device) - ctx.ranks._started
-        return grad, None
-
-
-class RealRanks:
+class RealRanks(_Ranks):
     """This MPI rank computes shard ``comm.rank`` of ``comm.size``; f and g are tplab.layers.mappings'.
     ``device``: where the tensors live, so the stopwatch waits for a GPU's queued work (None: CPU)."""
 
@@ -187,7 +182,7 @@ class RealRanks:
         self.comm, self.algorithm, self.timing, self.device = comm, algorithm, timing, device
         self.size = comm.size
         self.local = [comm.rank]
-        self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
+        self.reset_clock()
 
     def view(self, shard: int):
         assert shard == self.comm.rank, "a real rank holds its own shard only"
@@ -200,9 +195,9 @@ class RealRanks:
     def copy_in(self, x):
         if not (self.timing and x.requires_grad):
             return [copy_to_tensor_parallel_region(x, self.comm, self.algorithm)]
-        x = _StopClock.apply(x, self)
+        x = _Clock.apply(x, self, False)
         y = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # backward: all-reduce of dX
-        return [_StartClock.apply(y, self)]
+        return [_Clock.apply(y, self, True)]
 
     def reduce_out(self, parts):
         (part,) = parts
@@ -210,9 +205,6 @@ class RealRanks:
         total = reduce_from_tensor_parallel_region(part, self.comm, self.algorithm)
         self.comm_seconds["forward"] += clock(self.device) - started
         return total
-
-    def shared(self, *tensors):
-        return shared_weights(self, tensors)
 
     def _sum_weight_grads(self, grads):
         started = clock(self.device)
@@ -226,9 +218,6 @@ class RealRanks:
         total = self._allreduce(t)
         self.comm_seconds["optimizer"] += clock(self.device) - started
         return total
-
-    def reset_clock(self):
-        self.comm_seconds = dict(forward=0.0, backward=0.0, weights=0.0, optimizer=0.0)
 
     def __repr__(self):
         return f"<RealRanks rank {self.comm.rank} of {self.size}>"

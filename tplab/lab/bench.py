@@ -289,11 +289,3 @@ def sweep_on_emulated_network(collective, algorithms, sizes, *, ranks_per_node, 
         row["inter_node_bytes"] = max(net.allgather_object(net.inter_node_bytes))
         row["network"] = description
     return rows
-
-
-def sweep_df(*args, **kwargs):
-    """``sweep`` as a pandas DataFrame (rows stay plain dicts in ``sweep``: they travel between
-    processes and into CSV files without pandas)."""
-    import pandas as pd
-
-    return pd.DataFrame(sweep(*args, **kwargs))

@@ -102,7 +102,6 @@ class CharData:
             raise ValueError("the text is empty")
         self.chars = sorted(set(text))
         self.vocab_size = len(self.chars)
-        self._index = {c: i for i, c in enumerate(self.chars)}
         data = self.encode(text)
         n = int(train_fraction * len(data))
         self.split = {"train": data[:n], "val": data[n:]}

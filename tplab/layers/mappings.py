@@ -19,12 +19,14 @@ The collectives are tplab's (``tplab.allreduce`` & co.; ``algorithm`` picks whic
 any tplab Communicator: MPI for CPU tensors, NCCL or peer memory for GPU tensors, torch.distributed or the
 null communicator (which run their own collectives whatever the name). Slices along a dimension must
 divide evenly: a clear error otherwise.
-``check_arguments = False`` skips the collectives' cross-rank argument checks (for timing).
+``check_arguments = False`` skips the collectives' cross-rank argument checks (for timing); so does the block
+``with argument_checks_off():``, which restores the setting after it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +36,18 @@ import tplab
 # a TP transformer layer's forward pass should add exactly 2 all-reduces. ``calls.clear()`` resets.
 calls: Counter = Counter()
 check_arguments = True  # tplab's agreement round before each collective (off while timing)
+
+
+@contextmanager
+def argument_checks_off():
+    """No agreement round before the layers' collectives inside the block (they are not TP's cost while
+    timing); the setting before it comes back afterwards, also after an error."""
+    global check_arguments
+    was_checking, check_arguments = check_arguments, False
+    try:
+        yield
+    finally:
+        check_arguments = was_checking
 
 
 def _check_divisible(size: int, parts: int, what: str) -> None:

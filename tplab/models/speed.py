@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from tplab.comm import communicator
 from tplab.layers import mappings
 from tplab.models.gpt import GPT, GPTConfig, generate
 from tplab.models.parallel import check_splittable, parallelize
@@ -29,15 +30,13 @@ from tplab.toolkit.timing import median_of_slowest, time_calls
 @contextmanager
 def timing_mode(threads: int | None = None):
     """No argument checks in the collectives, no autograd; optionally ``threads`` torch threads."""
-    checks, old_threads = mappings.check_arguments, torch.get_num_threads()
-    mappings.check_arguments = False
+    old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        with torch.inference_mode():
+        with mappings.argument_checks_off(), torch.inference_mode():
             yield
     finally:
-        mappings.check_arguments = checks
         torch.set_num_threads(old_threads)
 
 
@@ -106,10 +105,7 @@ def forward_time_vs_tp(config: GPTConfig, comm=None, batch: int = 4, seq: int = 
     default the world, or on ``device="cuda"`` NCCL on each rank's bound GPU (tplab.comm.communicator),
     so ``cluster.run(forward_time_vs_tp, config)`` works from a notebook either way."""
     device = torch.device(device or "cpu")
-    if comm is None:
-        from tplab.comm import communicator
-
-        comm = communicator(device.type)
+    comm = comm or communicator(device.type)
     waiter = comm.host if comm.moves_gpu_memory else comm  # (the token waited for below is a host array)
     degrees = degrees or tp_degrees(config, comm.size)
     rows = []

@@ -64,16 +64,12 @@ def trace_block(chunks=4, warmup=2, **shape):
     block, x = make_block(**shape)
     layer = overlapped(block, chunks)
     tracer = Tracer(world())
-    was_checking, mappings.check_arguments = mappings.check_arguments, False
-    try:
-        with torch.no_grad():
-            for _ in range(warmup):
-                layer(x)
-            tracer.restart()
-            with tracer:
-                layer(x)
-    finally:
-        mappings.check_arguments = was_checking
+    with mappings.argument_checks_off(), torch.no_grad():
+        for _ in range(warmup):
+            layer(x)
+        tracer.restart()
+        with tracer:
+            layer(x)
     return tracer.gather()
 
 

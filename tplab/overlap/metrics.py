@@ -110,51 +110,47 @@ def overlap_sweep(layer, x, comm, chunk_counts=(1, 2, 4, 8), *, iters=10, warmup
         return captured(run) if graphs else run
 
     algorithm = _algorithm_of(layer)
-    was_checking, mappings.check_arguments = mappings.check_arguments, False  # no agreement rounds while timing
-    try:
-        with torch.no_grad():
-            chunked = {k: make_overlapped(layer, k) for k in chunk_counts}
-            plans = {"compute": (lambda: layer(x), True),  # name: (function, silent)
-                     "comm": (replay(collectives_of(layer, x), comm, algorithm), False),
-                     "no_overlap": (lambda: layer(x), False)}
-            for k, layer_k in chunked.items():
-                plans["compute_chunked", k] = (lambda layer_k=layer_k: layer_k(x), True)
-                plans["comm_chunked", k] = (replay(collectives_of(layer_k, x), comm, algorithm), False)
-                plans["overlapped", k] = (lambda layer_k=layer_k: layer_k(x), False)
-            keep = ["no_overlap"] + [("overlapped", k) for k in chunk_counts]  # outputs to check
-            if graphs:  # one graph at a time: captured, timed, its output kept, released (holding all of a
-                ms, outputs = {}, {}  # sweep's graphs at once crashed: illegal address, torch 2.11, 4x H100)
-                for name, (fn, silent) in plans.items():
-                    run = prepared(fn, silent)
-                    ms[name] = time_forward(run, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3
-                    if name in keep:
-                        outputs[name] = run().clone()
-                    del run
-            else:
-                runs = {name: prepared(fn, silent) for name, (fn, silent) in plans.items()}
-                ms = {name: seconds * 1e3 for name, seconds in
-                      time_forwards(runs, comm, iters=iters, warmup=warmup, cuda=cuda).items()}
-                outputs = {name: runs[name]() for name in keep}
-            # a check that what was timed computes the layer (chunking changes rounding only; a lost or
-            # doubled collective would change the output by its own size)
-            plain = outputs["no_overlap"]
-            scale = plain.abs().max().item() or 1.0
-            rows = []
-            for k in tqdm(chunk_counts, desc="chunk counts", disable=not progress or comm.rank != 0):
-                max_rel_diff = max(comm.allgather_object((outputs["overlapped", k] - plain).abs().max().item() / scale))
-                compute_ms, comm_ms, overlapped_ms = ms["compute"], ms["comm"], ms["overlapped", k]
-                exposed = overlapped_ms - compute_ms
-                rows.append({
-                    "layer": type(layer).__name__, "chunks": k, "ranks": comm.size, "algorithm": algorithm,
-                    "tokens": x.shape[:-1].numel(), "hidden": x.shape[-1], "dtype": str(x.dtype).replace("torch.", ""),
-                    "compute_ms": compute_ms, "compute_chunked_ms": ms["compute_chunked", k], "comm_ms": comm_ms,
-                    "comm_chunked_ms": ms["comm_chunked", k], "no_overlap_ms": ms["no_overlap"],
-                    "overlapped_ms": overlapped_ms, "exposed_no_overlap_ms": ms["no_overlap"] - compute_ms,
-                    "exposed_ms": exposed, "hidden_fraction": 1 - exposed / comm_ms, "iters": iters,
-                    "cuda_graph": graphs, "timing": "one after another" if graphs else "interleaved",
-                    "max_rel_diff": max_rel_diff})
-    finally:
-        mappings.check_arguments = was_checking
+    with mappings.argument_checks_off(), torch.no_grad():  # no agreement rounds while timing
+        chunked = {k: make_overlapped(layer, k) for k in chunk_counts}
+        plans = {"compute": (lambda: layer(x), True),  # name: (function, silent)
+                 "comm": (replay(collectives_of(layer, x), comm, algorithm), False),
+                 "no_overlap": (lambda: layer(x), False)}
+        for k, layer_k in chunked.items():
+            plans["compute_chunked", k] = (lambda layer_k=layer_k: layer_k(x), True)
+            plans["comm_chunked", k] = (replay(collectives_of(layer_k, x), comm, algorithm), False)
+            plans["overlapped", k] = (lambda layer_k=layer_k: layer_k(x), False)
+        keep = ["no_overlap"] + [("overlapped", k) for k in chunk_counts]  # outputs to check
+        if graphs:  # one graph at a time: captured, timed, its output kept, released (holding all of a
+            ms, outputs = {}, {}  # sweep's graphs at once crashed: illegal address, torch 2.11, 4x H100)
+            for name, (fn, silent) in plans.items():
+                run = prepared(fn, silent)
+                ms[name] = time_forward(run, comm, iters=iters, warmup=warmup, cuda=cuda) * 1e3
+                if name in keep:
+                    outputs[name] = run().clone()
+                del run
+        else:
+            runs = {name: prepared(fn, silent) for name, (fn, silent) in plans.items()}
+            ms = {name: seconds * 1e3 for name, seconds in
+                  time_forwards(runs, comm, iters=iters, warmup=warmup, cuda=cuda).items()}
+            outputs = {name: runs[name]() for name in keep}
+        # a check that what was timed computes the layer (chunking changes rounding only; a lost or
+        # doubled collective would change the output by its own size)
+        plain = outputs["no_overlap"]
+        scale = plain.abs().max().item() or 1.0
+        rows = []
+        for k in tqdm(chunk_counts, desc="chunk counts", disable=not progress or comm.rank != 0):
+            max_rel_diff = max(comm.allgather_object((outputs["overlapped", k] - plain).abs().max().item() / scale))
+            compute_ms, comm_ms, overlapped_ms = ms["compute"], ms["comm"], ms["overlapped", k]
+            exposed = overlapped_ms - compute_ms
+            rows.append({
+                "layer": type(layer).__name__, "chunks": k, "ranks": comm.size, "algorithm": algorithm,
+                "tokens": x.shape[:-1].numel(), "hidden": x.shape[-1], "dtype": str(x.dtype).replace("torch.", ""),
+                "compute_ms": compute_ms, "compute_chunked_ms": ms["compute_chunked", k], "comm_ms": comm_ms,
+                "comm_chunked_ms": ms["comm_chunked", k], "no_overlap_ms": ms["no_overlap"],
+                "overlapped_ms": overlapped_ms, "exposed_no_overlap_ms": ms["no_overlap"] - compute_ms,
+                "exposed_ms": exposed, "hidden_fraction": 1 - exposed / comm_ms, "iters": iters,
+                "cuda_graph": graphs, "timing": "one after another" if graphs else "interleaved",
+                "max_rel_diff": max_rel_diff})
     return pd.DataFrame(rows)
 
 

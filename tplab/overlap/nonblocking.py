@@ -38,6 +38,7 @@ from __future__ import annotations
 from tplab.toolkit.arrays import as_array, is_torch
 from tplab.collectives import ALGORITHMS, allgather, allreduce, reduce_scatter
 from tplab.collectives.checks import agree_on_arguments
+from tplab.comm import world
 from tplab.comm.null import NullComm
 from tplab.overlap.handles import Completed, Handle
 from tplab.overlap.progress_thread import engine_for
@@ -50,10 +51,7 @@ def _describe(name, x, algorithm) -> str:
 
 
 def _start(name, x, comm, algorithm, check, run, **check_args):
-    if comm is None:
-        from tplab.comm import world
-
-        comm = world()
+    comm = comm or world()
     if isinstance(comm, NullComm):  # communication switched off (metrics.py): nothing to wait for
         return Completed(run(comm), f"{name} (no-op)")
     if is_torch(x) and x.device.type == "cuda":
