@@ -119,8 +119,9 @@ def fast_launcher(function, blocks: int, threads: int, args):
     handle, get_stream = function.kernel.ptr, cupy.cuda.get_current_stream
     params_address = ctypes.addressof(params)
 
-    def launch_by_ctypes(handle, blocks, one, one_, threads, one__, one___, shared, stream, params, extra):
-        error = lib.cuLaunchKernel(handle, blocks, 1, 1, threads, 1, 1, shared, stream, params, None)
+    def launch_by_ctypes(handle, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared, stream, params, extra):
+        error = lib.cuLaunchKernel(handle, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared, stream,
+                                   params, None)
         if error:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {error}")
     driver_launch = launchKernel or launch_by_ctypes
