@@ -68,20 +68,20 @@ def test_peer_memory_kernels_ship_with_the_package():
     from importlib.resources import files
 
     source = files("tplab.gpu_collectives").joinpath("peer_allreduce.cu").read_text()
-    for kernel in ["one_shot", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
+    for kernel in ["one_shot", "one_shot_ll", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
 
 
 def test_peer_memory_auto_table_picks_by_size():
-    """"auto" on GPUs: one_shot for small messages, two_shot in between, the ring for large ones (the table
-    measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
+    """"auto" on GPUs: the one-shots for small messages, two_shot in between, the ring for large ones (the
+    table measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
     from types import SimpleNamespace
 
     from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE))
-    assert [PeerMemory.choose(pm, n) for n in (1024, 256 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] == \
-        ["one_shot", "one_shot", "two_shot", "two_shot", "ring"]
+    assert [PeerMemory.choose(pm, n) for n in (1024, 64 << 10, 256 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] \
+        == ["one_shot_ll", "one_shot_ll", "one_shot", "two_shot", "two_shot", "ring"]
     pm.table = [(4096, "ring"), (1 << 20, "two_shot")]
     assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
 

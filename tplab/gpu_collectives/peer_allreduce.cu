@@ -93,9 +93,9 @@ __device__ __forceinline__ uint4 load_line(const uint4* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v; }
 __device__ __forceinline__ bool line_has(uint4 v, unsigned int tag) { return v.y == tag && v.w == tag; }
-// Where a line must also order other data (one_shot's staged input): a fence before sending it and one after
-// receiving it make a release and an acquire (acq_rel: what st.release / ld.acquire do, not the costlier
-// sequentially consistent fence that __threadfence_system() is).
+// Where a line must also order other data (one_shot's staged input): a fence before sending it makes the
+// release (acq_rel: what st.release does, not the costlier sequentially consistent __threadfence_system()),
+// an acquire load of its tag once it has come makes the acquire.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
@@ -198,7 +198,8 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
                 line = load_line(mine);
             }
             if (o == AGREED) {
-                if (after_writes) fence_acq_rel_sys();      // (acquire: the peer's staged input after its line)
+                if (after_writes) load_acquire((const unsigned int*)mine + 3);   // (acquire: the peer's staged
+                                                                                 //  input after its line)
                 const unsigned long long theirs = line.x | ((unsigned long long)line.z << 32);
                 seen[q] = theirs;
                 if (theirs != sig && sig != 0) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;

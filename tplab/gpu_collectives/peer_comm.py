@@ -27,7 +27,7 @@ import numpy as np
 from tplab.comm.nccl import nccl_world
 from tplab.comm.wrapped import Wrapped
 from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
-from tplab.gpu_collectives.peer_memory import THREADS, PeerMemory
+from tplab.gpu_collectives.peer_memory import PeerMemory
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import is_gpu_array, is_torch, torch_stream_pointer
 
@@ -149,8 +149,8 @@ class AllreducePlan:
             placeholders = (self.source, self.target)
         else:  # the kernel's pointers are replaced on every call: any arrays of the right size hold the place
             placeholders = (peers.peer_buffer(peers.rank, padded), peers.peer_buffer(peers.rank, padded))
-        kernel, blocks, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
-        self.launch = fast_launcher(kernel, blocks, THREADS, args) or _cupy_launcher(kernel, blocks, args)
+        kernel, blocks, threads, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
+        self.launch = fast_launcher(kernel, blocks, threads, args) or _cupy_launcher(kernel, blocks, threads, args)
         self.checked, self.status = False, peers.status
         if self.torch:  # (bound once: an import statement per call is measurable at these latencies)
             import torch
@@ -213,7 +213,7 @@ class AllreducePlan:
         self.peers.raise_pending(self.stream)
 
 
-def _cupy_launcher(kernel, blocks, args):
+def _cupy_launcher(kernel, blocks, threads, args):
     """Where libcuda cannot be loaded by ctypes: CuPy's launcher, with the pointers swapped per call."""
     import cupy
 
@@ -222,6 +222,6 @@ def _cupy_launcher(kernel, blocks, args):
     def launch(source, target, stream):
         args[0], args[1] = np.uint64(source), np.uint64(target)  # (a pointer is a 64-bit argument)
         with cupy.cuda.ExternalStream(stream):
-            kernel((blocks,), (THREADS,), tuple(args))
+            kernel((blocks,), (threads,), tuple(args))
     return launch
 

@@ -53,10 +53,12 @@ SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in peer_allreduce.cu)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
+LL_THREADS = 128            # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink (data/gpu_peer_allreduce_4x-h100.csv: one_shot to 1 MiB, two_shot to 16 MiB, the ring beyond);
-# PeerMemory.tune() measures it again on the machine at hand (at p = 2 one_shot wins up to 4 MiB).
-DEFAULT_TABLE = ((256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))  # 4x H100, measured
+# NVLink (PeerMemory.tune; data/gpu_api_allreduce_4x-h100.csv: one_shot_ll to 64 KiB, one_shot at 256 KiB,
+# two_shot to 16 MiB, the ring beyond); tune() measures it again on the machine at hand (at p = 2 the
+# one-shots win up to larger sizes).
+DEFAULT_TABLE = ((64 << 10, "one_shot_ll"), (256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
 
 
 class PeerMemory:
@@ -268,25 +270,26 @@ class PeerMemory:
             return (lambda: self.launch_agreement(sig)) if sig != AGREED_ALREADY else (lambda: None)
         source, target = whole_packs(x), whole_packs(out)
         element = "bf16_bits" if bf16 else type_name(x.dtype)
-        launch, blocks, args = self.allreduce_kernel(source, target, algorithm, element, sig)
+        launch, blocks, threads, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
-            return (fast and fast_launcher(launch, blocks, THREADS, args)) or (lambda: launch((blocks,), (THREADS,), args))
+            return (fast and fast_launcher(launch, blocks, threads, args)) or (lambda: launch((blocks,), (threads,), args))
 
         def padded():                                  # odd sizes or misaligned views: through copies
             if source is not x:
                 source[: x.nbytes] = x.ravel().view(cupy.uint8)
-            launch((blocks,), (THREADS,), args)
+            launch((blocks,), (threads,), args)
             if target is not out:
                 out.ravel()[...] = target.view(out.dtype)[: out.size]
         return padded
 
     def allreduce_kernel(self, source, target, algorithm: str, element: str, sig: int):
-        """(kernel, blocks, arguments) of an all-reduce of ``source`` (whole 16-byte packs) into ``target``
+        """(kernel, blocks, threads per block, arguments) of an all-reduce of ``source`` (whole 16-byte packs) into ``target``
         by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
         packs = source.nbytes // PACK
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
         work = packs if algorithm.startswith("one_shot") else chunk
-        blocks = max(1, min(self.max_blocks, -(-work // THREADS)))
+        threads = LL_THREADS if algorithm == "one_shot_ll" else THREADS
+        blocks = max(1, min(self.max_blocks, -(-work // threads)))
         args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
                 np.int32(self.rank), np.int32(self.size)]
         if algorithm == "one_shot":
@@ -296,7 +299,7 @@ class PeerMemory:
         else:
             args += [np.int64(chunk), np.int64(packs)]
         args += [self.control, np.uint64(sig)]
-        return kernel(f"{algorithm}<{element}>"), blocks, tuple(args)
+        return kernel(f"{algorithm}<{element}>"), blocks, threads, tuple(args)
 
     # ---- all-gather ----------------------------------------------------------------------------------------
     def allgather(self, x, out=None, *, check: bool = True):
