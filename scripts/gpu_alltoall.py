@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from tplab.collectives import alltoall, alltoallv
 from tplab.comm import world
-from tplab.comm.torch_dist import free_port
+from tplab.comm.torch_dist import start_process_group
 from tplab.toolkit.timing import slowest_median, time_calls
 
 COMM = MPI.COMM_WORLD
@@ -56,18 +56,16 @@ def say(*args):
 
 def setup(device_kind: str):
     """(tplab communicator, torch device): NCCL point-to-point on this rank's GPU, or MPI on the CPU."""
-    port = COMM.bcast(free_port() if RANK == 0 else None, root=0)
     if device_kind == "cuda":
         from tplab.comm import nccl_world
 
         comm = nccl_world()  # binds GPU <node-local rank>
         device = torch.device("cuda", torch.cuda.current_device() if comm.device is None else comm.device)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=P,
-                                device_id=device)
+        start_process_group(COMM, device)
     else:
         comm, device = world(), torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK, world_size=P)
+        start_process_group(COMM, device)
     return comm, device
 
 

@@ -203,9 +203,9 @@ def start_torch_distributed():
         import torch
         import torch.distributed as dist
 
-        port = COMM.bcast(29500 + os.getpid() % 1000 if RANK == 0 else None, root=0)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=P, rank=RANK,
-                                device_id=torch.device("cuda", cupy.cuda.runtime.getDevice()))
+        from tplab.comm.torch_dist import start_process_group
+
+        start_process_group(COMM, torch.device("cuda", cupy.cuda.runtime.getDevice()))
         return dist
     except Exception as e:  # noqa: BLE001 - optional baseline
         say(f"torch.distributed baseline skipped: {type(e).__name__}: {e}")

@@ -7,7 +7,7 @@ vendor's collectives next to tplab's, for comparison:
     comm = TorchDistributedComm(device)        # collective: the process group from MPI's rank and size
     model = parallelize(model, comm)           # the layers' all-reduces are now ProcessGroupNCCL's
 
-The process group is started from MPI: rank 0 picks a free port on 127.0.0.1 and broadcasts it (one node).
+The process group is started from MPI: rank 0 opens the rendezvous store on 127.0.0.1 and broadcasts its port (one node).
 Collectives run on the caller's current CUDA stream (ProcessGroupNCCL orders its own stream after it, and
 the caller's after the result). Arguments: torch tensors, or the numpy / CuPy views tplab.collectives
 hands over (turned back into tensors without a copy).
@@ -40,10 +40,7 @@ class TorchDistributedComm(Communicator):
         self.moves_gpu_memory = device.type == "cuda"
         self.takes_host_memory = not self.moves_gpu_memory
         if not dist.is_initialized():
-            port = self.mpi.bcast(free_port() if self.rank == 0 else None, root=0)
-            gpu = device.type == "cuda"
-            dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=self.rank, world_size=self.size, **({"device_id": device} if gpu else {}))
+            start_process_group(self.mpi, device)
 
     def _op(self, op):
         name = getattr(op, "name", op)
@@ -142,6 +139,24 @@ def same_kind(t, like):
 
         return cupy.from_dlpack(t)
     return t.numpy()
+
+
+def start_process_group(mpi_comm, device) -> None:
+    """torch.distributed's default process group over the ranks of ``mpi_comm`` (one node; NCCL for a CUDA
+    device, gloo otherwise). Rank 0 opens the rendezvous store on a port the system picks (port 0) and
+    broadcasts it: no race for a port picked free earlier, which another process (NCCL's own bootstrap
+    listeners, a process group just closed) may hold by the time the store binds it -- seen on a GPU node
+    as EADDRINUSE on rank 0 and the other ranks waiting for ever."""
+    import torch.distributed as dist
+
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = mpi_comm.bcast(store.port if rank == 0 else None, root=0)
+    if rank != 0:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
+    gpu = device.type == "cuda"
+    dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=size,
+                            **({"device_id": device} if gpu else {}))
 
 
 def free_port() -> int:
