@@ -21,7 +21,8 @@ def best(rows, names, column="time_us", lowest=True):
 
 
 def main(out: Path) -> None:
-    small, large = pd.read_csv(out / "small.csv"), pd.read_csv(out / "large.csv")
+    small = pd.read_csv(out / "small.csv")
+    large = pd.read_csv(out / "large.csv") if (out / "large.csv").exists() else None  # (a run cut short)
     card = str(small.machine.iloc[0])  # (tplab bench --machine: the card's name)
     api = next(out.glob("gpu_api_allreduce_*x-*.csv"), None)
     api = pd.read_csv(api) if api else None
@@ -41,9 +42,10 @@ def main(out: Path) -> None:
         at = api[api["size"] == 64 << 10]
         add("p2_eager_us_64KiB", "us", best(at.rename(columns={"path": "algorithm"}), {"tplab.allreduce"}),
             best(at.rename(columns={"path": "algorithm"}), {"torch.distributed"}))
-    big = large[large["size"] == 256 << 20]
-    add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
-        best(big, set(big.algorithm) - TPLAB, "busbw", lowest=False))
+    if large is not None:
+        big = large[large["size"] == 256 << 20]
+        add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
+            best(big, set(big.algorithm) - TPLAB, "busbw", lowest=False))
     slug = card.lower().replace("nvidia ", "").split()[0]
     path = out / f"gpu_frontier_{p}x-{slug}.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
