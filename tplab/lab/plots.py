@@ -25,6 +25,7 @@ COLORS = {
     "rabenseifner": "tab:green", "tree": "tab:purple", "binomial": "tab:purple", "hierarchical": "tab:brown",
     "auto": "tab:red", "tplab.allreduce": "tab:red", "persistent kernel": "tab:pink",
     "peer_one_shot": "tab:cyan", "one_shot": "tab:cyan", "peer_two_shot": "tab:olive", "two_shot": "tab:olive",
+    "peer_one_shot_ll": "darkcyan", "one_shot_ll": "darkcyan",
     "peer_ring": "tab:orange", "copy_engine": "tab:brown",
     # all-to-all (notebook 09): pairwise exchange walks the ranks like the ring, Bruck halves like doubling
     "pairwise": "tab:orange", "bruck": "tab:blue", "tplab_pairwise": "tab:orange", "tplab_bruck": "tab:blue",

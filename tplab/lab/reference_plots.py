@@ -9,6 +9,7 @@ returns the Figure; the notebook saves and shows it.
     speedup_over_round_robin(speedup, ranks)  07: each strategy's makespan gain, one panel per TP degree
     pipeline_bubbles(ref, ranks)              07: the measured bubble against the two formulas, per layout
     strategies_gantt(intervals, names, p)     07: what every rank ran under each of up to three strategies
+    allreduce_time_parts(parts, after, before) 03: a small GPU all-reduce's time, the agreement's share, the anchors
 """
 
 from __future__ import annotations
@@ -148,4 +149,47 @@ def strategies_gantt(intervals, names, p):
     for ax, name in zip(axes[:, 0], names):
         mine = intervals[intervals.strategy == name]  # work bars, and the queue's waits as hatched strips
         plot_gantt(mine, color_by="item", ax=ax, title=f"{name}: makespan {mine[mine.what == 'forward'].end.max():.3f} s")
+    return fig
+
+
+def allreduce_time_parts(parts, after=None, before=None):
+    """Where a small GPU all-reduce's time went (CUDA-graph replays, gpu_allreduce_time_parts_*.csv). Left, on
+    2 GPUs: one_shot_ll alone, and with the ranks' argument agreement sent as flag-and-release or as tagged
+    lines; the agreement alone and an empty kernel as levels. Right, on 4 GPUs: tplab's one-shots now (solid)
+    and before (``before``: a frontier run's graph rows, dashed) against NCCL's symmetric kernels and torch's
+    symmetric-memory two-shot of the same run (``after``)."""
+    fig, (left, right) = _row(2, height=4.2)
+    two = parts[parts.ranks == 2]
+    ll = color_of("one_shot_ll")
+    for stage, style in (("agreement by release flags", "--"), ("agreement by tagged lines", "-")):
+        rows = two[(two.stage == stage) & (two.kernel == "one_shot_ll") & two.agreement].sort_values("size")
+        left.plot(rows["size"], rows.graph_us, style, marker="o", color=ll, label=f"one_shot_ll, {stage}")
+        alone = two[(two.stage == stage) & (two.kernel == "agree_only")].graph_us
+        if len(alone):
+            left.axhline(alone.iloc[0], ls=style, color="0.45", lw=1, label=f"the agreement alone, {stage[13:]}")
+    kernel_alone = two[(two.stage == "agreement by tagged lines") & (two.kernel == "one_shot_ll") & ~two.agreement]
+    kernel_alone = kernel_alone.sort_values("size")
+    left.plot(kernel_alone["size"], kernel_alone.graph_us, ":", marker=".", color=ll, label="one_shot_ll, no agreement")
+    empty = two[two.kernel == "empty kernel"].graph_us
+    if len(empty):
+        left.axhline(empty.iloc[0], color="0.75", lw=1, label="an empty kernel")
+    left.set(title="2 GPUs: what the argument agreement costs", ylim=(0, 1.5 * two.graph_us.max()))
+    four = parts[(parts.ranks == 4) & (parts.stage == parts[parts.ranks == 4].stage.iloc[-1]) & parts.agreement]
+    for kernel in ("one_shot", "one_shot_ll"):
+        rows = four[four.kernel == kernel].sort_values("size")
+        right.plot(rows["size"], rows.graph_us, "-", marker="o", color=color_of(kernel), label=f"{kernel}, now")
+    for frame, names, style, when in ((before, ["peer_one_shot"], "--", "before"),
+                                      (after, ["nccl_symmetric", "symm_mem_two_shot"], "-", "same run")):
+        if frame is None:
+            continue
+        graph = frame[(frame["mode"] == "graph") & (frame["size"] <= 256 << 10)]
+        for name in names:
+            rows = graph[graph.algorithm == name].groupby("size").time_us.min()
+            right.plot(rows.index, rows.values, style, marker="s", ms=4, color=color_of(name), label=f"{name}, {when}")
+    right.set(title="4 GPUs: tplab's one-shots and the strongest others")
+    right.set_ylim(0, None)
+    for ax in (left, right):
+        ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
     return fig
