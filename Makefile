@@ -59,7 +59,7 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/tplab demo --ranks $(N) --out build
