@@ -6,7 +6,6 @@ launches them for several K. A plain ``pytest`` run must not collect them itself
 
 import os
 
-
 collect_ignore = [] if os.environ.get("TPLAB_UNDER_MPIEXEC") else ["mpi"]
 
 # Offline test machines may keep Tiny Shakespeare beside the repository: point tplab's data loader (and the
