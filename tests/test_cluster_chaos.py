@@ -3,8 +3,8 @@ cluster, lose a cluster another notebook shared. Each must end in a clear messag
 rerunning the setup cell, no process left behind and no /dev/shm file left behind.
 
 Small clusters (2 engines where a rank must die with another, else 1) in temporary profile and state
-directories; every wait has a deadline (a hang fails
-within seconds); only processes these tests started are killed.
+directories; every wait has a deadline (a hang fails within seconds); only processes these tests started
+are killed. Last, `tplab doctor` against stand-in clusters.
 """
 
 import ipaddress
@@ -17,8 +17,9 @@ import time
 import psutil
 import pytest
 
-from tplab.cluster import ClusterGone, EngineDied, connect_or_start, engine_rank
-from tplab.cluster import shm
+from tplab.cli import main
+from tplab.cluster import ClusterGone, EngineDied, connect_or_start, engine_rank, ledger, shm
+from tplab.cluster.ownership import owner_env
 from tplab.cluster.processes import cluster_processes
 
 pytestmark = pytest.mark.slow
@@ -190,3 +191,74 @@ def test_the_setup_cell_replaces_an_orphan_whose_watchdog_was_killed_too(where, 
             kernel.kill()
         for proc in cluster_processes(os.path.abspath(where), "orphaned"):  # only if the test failed half-way
             proc.kill()
+
+# ---- tplab doctor: lists clusters and /dev/shm files with their owners; --clean removes only what is provably
+# tplab's and orphaned. Stand-in clusters (sleeping processes carrying a cluster's environment), no MPI. (In this
+# file, not one of its own: its --clean must not run while another test's orphan is meant to stay.)
+SLEEPER = "import time; time.sleep(60)"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+@pytest.fixture
+def stand_in_clusters(tmp_path, monkeypatch):
+    """Three stand-in clusters (one orphaned, one whose owner lives, one started by hand) and two MPICH files
+    (one listed in a stopped cluster's ledger, one nobody's)."""
+    monkeypatch.setenv("TPLAB_STATE_DIR", str(tmp_path / "state"))
+    profile = str(tmp_path / "profile")
+    orphan_owner = {"TPLAB_OWNER_PID": str(dead_pid()), "TPLAB_OWNER_STARTED": "1.0"}
+    procs = {}
+    for cluster_id, owner in [(f"orphan-{os.getpid()}", orphan_owner), (f"alive-{os.getpid()}", owner_env()),
+                              (f"by-hand-{os.getpid()}", {})]:
+        env = dict(os.environ, IPP_PROFILE_DIR=profile, IPP_CLUSTER_ID=cluster_id, **owner)
+        procs[cluster_id.rsplit("-", 1)[0]] = subprocess.Popen([sys.executable, "-c", SLEEPER, "ipyparallel.controller"],
+                                                               env=env)
+    tag = f"doctortest{os.getpid()}"
+    ours, unknown = f"/dev/shm/mpich_shm_{tag}a_0", f"/dev/shm/mpich_shm_{tag}b_0"
+    for path in (ours, unknown):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    ledger.write({"profile_dir": profile, "cluster_id": "gone", "shm": [ours], "owner_pid": dead_pid()})
+    deadline = time.monotonic() + 10  # the stand-ins' environments are readable once they run
+    while any("IPP_CLUSTER_ID" not in _environ(p.pid) for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield procs, ours, unknown
+    for proc in procs.values():
+        proc.kill()
+        proc.wait(timeout=10)
+    for path in (ours, unknown):
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _environ(pid) -> dict:
+    try:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
+        return {}
+
+
+def test_doctor_lists_and_cleans_only_orphans_that_are_provably_tplabs(stand_in_clusters, capsys):
+    procs, ours, unknown = stand_in_clusters
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    lines = {cid: next(line for line in text.splitlines() if line.split()[:1] == [f"{cid}-{os.getpid()}"])
+             for cid in ("orphan", "alive", "by-hand")}
+    assert "ORPHAN (owner dead)" in lines["orphan"] and "dead: an orphan" in lines["orphan"]
+    assert "this process (alive); ok" in lines["alive"]
+    assert "started by hand" in lines["by-hand"] and lines["by-hand"].endswith("ok")
+    assert f"{ours}" in text and "tplab cluster 'gone'; mapped by nobody; ORPHAN" in text
+    assert f"{unknown}" in text and "unknown (not provably tplab's)" in text
+    assert procs["orphan"].poll() is None  # listing changes nothing
+
+    assert main(["doctor", "--clean"]) == 0
+    text = capsys.readouterr().out
+    assert f"stopped cluster 'orphan-{os.getpid()}'" in text and f"removed {ours}" in text
+    procs["orphan"].wait(timeout=10)  # stopped
+    assert procs["alive"].poll() is None and procs["by-hand"].poll() is None  # left alone
+    assert not os.path.exists(ours) and os.path.exists(unknown)  # only the file a ledger proves tplab's
+    assert ledger.entries() == []  # the stopped cluster's entry went with its file
