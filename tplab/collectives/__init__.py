@@ -146,22 +146,25 @@ def _convert(x, comm, collective, algorithm, check):
 _NO_SCOPE = contextlib.nullcontext()
 
 
-def _input_kind(x):
-    """What a plan depends on: for GPU arrays the shape, dtype, layout, device and current stream (a
-    persistent kernel launch is tied to them); host arrays take the general path, whatever their shape."""
+def _plan_key(collective, x, op, algorithm, check):
+    """The key of a call's plan: the collective, its arguments, and what a plan depends on -- for GPU arrays
+    the shape, dtype, layout, device and current stream (a persistent kernel launch is tied to them); host
+    arrays take the general path, whatever their shape."""
     kind = type(x)
     if kind is np.ndarray:
-        return (kind,)
+        return collective, (kind,), op, algorithm, check
     if is_torch(x):
         if not x.is_cuda:
-            return (kind, "cpu")
+            return collective, (kind, "cpu"), op, algorithm, check
         device = x.get_device()
-        return (kind, x.shape, x.dtype, device, x.is_contiguous(), torch_stream_pointer(device))
+        return (collective, (kind, x.shape, x.dtype, device, x.is_contiguous(), torch_stream_pointer(device)), op,
+                algorithm, check)
     if is_gpu_array(x):
         import cupy
 
-        return (kind, x.shape, x.dtype.str, x.device.id, x.flags.c_contiguous, cupy.cuda.get_current_stream().ptr)
-    return (kind,)
+        return (collective, (kind, x.shape, x.dtype.str, x.device.id, x.flags.c_contiguous,
+                             cupy.cuda.get_current_stream().ptr), op, algorithm, check)
+    return collective, (kind,), op, algorithm, check
 
 
 # ---- the collectives -------------------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ READS_SOURCE = {"ring", "recursive_doubling", "rabenseifner"}
 
 def allreduce(x, comm=None, op="sum", algorithm="auto", *, check=True):
     if comm is not None:  # (a plan made before: called at once -- each call layer costs a small GPU call time)
-        plan = comm.plans.get(("allreduce", _input_kind(x), op, algorithm, check))
+        plan = comm.plans.get(_plan_key("allreduce", x, op, algorithm, check))
         if plan is not None:
             return plan(x, comm)
     return _planned("allreduce", x, _world_if_none(comm), op, algorithm, check, _allreduce_each_call)
@@ -192,7 +195,7 @@ def _planned(collective, x, comm, op, algorithm, check, each_call):
     """A plan per kind of input: the transport's persistent fast path where it has one for the builtin
     route (e.g. peer-memory kernels on GPUs: no per-call conversion, host round trip or argument all-gather),
     else ``each_call``: convert x, agree on the arguments on every rank, run the algorithm."""
-    key = (collective, _input_kind(x), op, algorithm, check)
+    key = _plan_key(collective, x, op, algorithm, check)
     plan = comm.plans.get(key)
     if plan is None:
         if len(comm.plans) >= MAX_PLANS:

@@ -7,15 +7,14 @@ vendor's collectives next to tplab's, for comparison:
     comm = TorchDistributedComm(device)        # collective: the process group from MPI's rank and size
     model = parallelize(model, comm)           # the layers' all-reduces are now ProcessGroupNCCL's
 
-The process group is started from MPI: rank 0 opens the rendezvous store on 127.0.0.1 and broadcasts its port (one node).
+The process group is started from MPI (start_process_group): rank 0 opens the rendezvous store on
+127.0.0.1 and broadcasts its port (one node).
 Collectives run on the caller's current CUDA stream (ProcessGroupNCCL orders its own stream after it, and
 the caller's after the result). Arguments: torch tensors, or the numpy / CuPy views tplab.collectives
 hands over (turned back into tensors without a copy).
 """
 
 from __future__ import annotations
-
-import socket
 
 from tplab.comm.base import Communicator, Unsupported
 from tplab.toolkit.blocks import block_counts
@@ -157,9 +156,3 @@ def start_process_group(mpi_comm, device) -> None:
     gpu = device.type == "cuda"
     dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=size,
                             **({"device_id": device} if gpu else {}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

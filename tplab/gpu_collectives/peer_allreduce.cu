@@ -101,8 +101,9 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
 // Block 0 of every rank sends every peer's block 0 a line holding a 64-bit signature of its arguments
 // (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
-// tagged with the agreement's number e, and polls its own lines until every peer's of number e is there. All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every
-// rank's kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
+// tagged with the agreement's number e, and polls its own lines until every peer's of number e is there.
+// All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every rank's
+// kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
 // up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
@@ -134,17 +135,18 @@ __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned lo
 __device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) {
     unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 
-// Rank r's signature line in rank q's row e & 1, and the first half of block 0's part alone: tell every
-// peer "I am at agreement e, with this signature". A kernel may send it first and meet the peers later
-// (agree(..., signalled = true)): one_shot_ll pushes its data in between.
+// Rank r's signature line in rank q's row e & 1; sending it tells q "I am at agreement e, with this
+// signature". agree_signal is the first half of block 0's part alone: a kernel may send it first and meet
+// the peers later (agree(..., signalled = true)); one_shot_ll pushes its data in between.
 __device__ __forceinline__ uint4* signature_line(unsigned int* const* flags, int q, unsigned int e, int r) {
     return (uint4*)(flags[q] + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
+__device__ __forceinline__ void send_signature(unsigned int* const* flags, int q, unsigned int e, int rank,
+                                               unsigned long long sig) {
+    store_line(signature_line(flags, q, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
 __device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned int* const* flags,
                                              unsigned int* epochs, int rank, int p) {
-    const unsigned int e = epochs[AGREE_SLOT] + 1;
     const int q = threadIdx.x;
-    if (blockIdx.x == 0 && q < p && q != rank)
-        store_line(signature_line(flags, q, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e));
+    if (blockIdx.x == 0 && q < p && q != rank) send_signature(flags, q, epochs[AGREE_SLOT] + 1, rank, sig);
 }
 
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
@@ -185,8 +187,7 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
         if (q < p && q != rank) {
             if (!signalled) {
                 if (after_writes) fence_acq_rel_sys();      // (release: the staged input before the line)
-                store_line(signature_line(flags, q, e, rank),
-                           make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e));
+                send_signature(flags, q, e, rank, sig);
             }
             const uint4* mine = signature_line(flags, rank, e, q);
             const unsigned long long start = globaltimer();
@@ -348,25 +349,12 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     finish(ctl);
 }
 
-// ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
-// Every rank pushes its input straight into every peer's LL area, 8 bytes of data per 16-byte store with
-// the call's number beside each 4-byte half: {d0, call, d1, call}. A 16-byte store reaches the peer as two
-// 8-byte halves that are each whole, so a line whose two numbers both say "this call" holds this call's
-// data. The reader polls its own (local) memory for that: no barrier, no fence, no remote read -- one
-// NVLink crossing per call, where one_shot needs a barrier and then a round of remote reads.
-//   signal the agreement;  for q != r: bufs[q] LL slot r = x with the call's number;  agree (wait only)
-//   out = sum in rank order of (x for me, my LL slot q for q), each line polled until it is this call's
-// The area alternates between two halves by the call's parity (a peer is at most one call ahead), and a
-// line left over from an older call carries an older number: nothing is ever cleared. Call numbers are
-// the same on every rank (every call on every path finishes once everywhere) and start at 1 over a zeroed
-// area. Lines: ``slot_lines`` per sender, ``p`` senders per half, from uint4 index ``base``.
-
 // Poll a line from rank q until it is this call's. A peer that agreed to the call then pushes its data, so
 // waiting can only fail if its process died mid-call: give up after ctl->timeout_ns (or at once once
 // another thread has), and report it as the agreement reports a peer that never came.
 __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call, Control* ctl, int q) {
     uint4 v = load_line(line);
-    if (v.y != call || v.w != call) {
+    if (!line_has(v, call)) {
         const unsigned long long start = globaltimer();
         unsigned int spins = 0;
         do {
@@ -382,11 +370,23 @@ __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call,
                 }
                 break;
             }
-        } while (v.y != call || v.w != call);
+        } while (!line_has(v, call));
     }
     return make_uint2(v.x, v.z);
 }
 
+// ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
+// Every rank pushes its input straight into every peer's LL area, 8 bytes of data per 16-byte store with
+// the call's number beside each 4-byte half: {d0, call, d1, call}. A 16-byte store reaches the peer as two
+// 8-byte halves that are each whole, so a line whose two numbers both say "this call" holds this call's
+// data. The reader polls its own (local) memory for that: no barrier, no fence, no remote read -- one
+// NVLink crossing per call, where one_shot needs a barrier and then a round of remote reads.
+//   signal the agreement;  for q != r: bufs[q] LL slot r = x with the call's number;  agree (wait only)
+//   out = sum in rank order of (x for me, my LL slot q for q), each line polled until it is this call's
+// The area alternates between two halves by the call's parity (a peer is at most one call ahead), and a
+// line left over from an older call carries an older number: nothing is ever cleared. Call numbers are
+// the same on every rank (every call on every path finishes once everywhere) and start at 1 over a zeroed
+// area. Lines: ``slot_lines`` per sender, ``p`` senders per half, from uint4 index ``base``.
 template <typename T>
 __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                             unsigned int* epochs, int rank, int p, long long packs, long long base,

@@ -272,7 +272,8 @@ class PeerMemory:
         element = "bf16_bits" if bf16 else type_name(x.dtype)
         launch, blocks, threads, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
-            return (fast and fast_launcher(launch, blocks, threads, args)) or (lambda: launch((blocks,), (threads,), args))
+            return ((fast and fast_launcher(launch, blocks, threads, args))
+                    or (lambda: launch((blocks,), (threads,), args)))
 
         def padded():                                  # odd sizes or misaligned views: through copies
             if source is not x:
@@ -283,8 +284,8 @@ class PeerMemory:
         return padded
 
     def allreduce_kernel(self, source, target, algorithm: str, element: str, sig: int):
-        """(kernel, blocks, threads per block, arguments) of an all-reduce of ``source`` (whole 16-byte packs) into ``target``
-        by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
+        """(kernel, blocks, threads per block, arguments) of an all-reduce of ``source`` (whole 16-byte packs)
+        into ``target`` by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
         packs = source.nbytes // PACK
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
         work = packs if algorithm.startswith("one_shot") else chunk
