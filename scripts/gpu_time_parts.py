@@ -5,7 +5,8 @@
 Per call, replayed from a CUDA graph of 50 calls (median of 9 replays, the slowest rank), float32: an empty
 kernel (what any kernel in a graph costs), the agreement alone (``agree_only``: each rank sends its arguments'
 signature to every peer and waits for theirs), and one_shot / one_shot_ll at 1-256 KiB with the agreement and
-without it (signature 0: the kernel alone, as when the ranks have agreed before). Every result is checked.
+without it (signature 0: the kernel alone, as when the ranks have agreed before), and two_shot at 256 KiB-16 MiB.
+Every result is checked.
 Writes OUT_DIR/gpu_allreduce_time_parts_<card>.csv (one row per part; ``stage`` names the code measured).
 """
 
@@ -79,6 +80,12 @@ def main():
                 add(kernel, size, agreement, graph_us(run))
                 if not all(WORLD.allgather(bool((out == WORLD.size).all()))):
                     raise SystemExit(f"{kernel} at {size} B: wrong sums")
+    for size in (256 << 10, 1 << 20, 4 << 20, 16 << 20):     # two_shot, where the two-shots take over
+        x = cupy.ones(size // 4, cupy.float32)
+        out = cupy.empty_like(x)
+        add("two_shot", size, True, graph_us(peers.allreduce_init(x, out, "two_shot")))
+        if not all(WORLD.allgather(bool((out == WORLD.size).all()))):
+            raise SystemExit(f"two_shot at {size} B: wrong sums")
     peers.close()
     if WORLD.rank == 0:
         import pandas as pd

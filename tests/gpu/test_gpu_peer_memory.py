@@ -21,6 +21,7 @@ from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 P = COMM.size
 NCCL = nccl_world()
 PEERS = PeerMemory(COMM, 1 << 24)  # one_shot: up to 8 MiB
+SMALL_PEERS = PeerMemory(COMM, 1 << 16)  # two_shot in rounds above 32 KiB
 CE = CopyEngineComm(COMM, 1 << 22)
 TOLERANCE = {"int32": 0, "int64": 0, "float16": 2e-3 * P, "bfloat16": 1e-2 * P, "float32": 1e-6 * P, "float64": 1e-14 * P}
 
@@ -82,6 +83,32 @@ def test_in_place_on_the_shared_buffer(algorithm):
     PEERS.allreduce(buf, algorithm, out=buf)
     want = NCCL.builtin_allreduce(values)
     agree(close(buf.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
+
+
+@pytest.mark.parametrize("count", [8200, 16000, 16384])
+def test_two_shot_in_rounds(count):
+    """Inputs larger than half the buffer go through two_shot in rounds (its partial sums and results each
+    fill half): out of place, in place, and replayed from a CUDA graph between other algorithms."""
+    x, values = inputs("float32", count)
+    want = NCCL.builtin_allreduce(values)
+    scale = NCCL.builtin_allreduce(cupy.abs(values))
+    got = SMALL_PEERS.allreduce(x, "two_shot")
+    agree(close(got.astype(cupy.float64), want, scale, "float32"), f"two_shot in rounds n={count}")
+    y = x.copy()
+    SMALL_PEERS.allreduce(y, "two_shot", out=y)
+    agree(bool((y == got).all()), "in place differs")
+    out = cupy.zeros_like(x)
+    runs = [SMALL_PEERS.allreduce_init(x, out, "two_shot"), SMALL_PEERS.allreduce_init(x[:100], out[:100], "one_shot_ll")]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for k in range(6):
+            runs[k % 2]()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        graph.launch(stream)
+        stream.synchronize()
+    agree(bool((out[100:] == got[100:]).all()), "replayed in rounds differs")
 
 
 def test_algorithms_in_any_order():
@@ -184,6 +211,8 @@ def test_bad_arguments_raise_on_every_rank():
                     NCCL.builtin_allreduce(cupy.abs(values)), "float32"), "one_shot_ll after two mismatches")
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
+    with pytest.raises(ValueError, match="out may be the shared buffer only"):
+        PEERS.allreduce(cupy.zeros(8, dtype="float32"), "two_shot", out=PEERS.buffer(8))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int16", "float64"])

@@ -107,7 +107,9 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
 // up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
-// verdict is never taken for this call's. Signature 0 skips the step: the caller ran agree_only first (each
+// verdict is never taken for this call's. The verdict is a plain store (one_shot: a release), and none at all
+// in a grid of one block: a release would first wait until block 0's pushes to the peers had landed,
+// about a microsecond over NVLink, and the verdict orders no data (one_shot's staged input excepted). Signature 0 skips the step: the caller ran agree_only first (each
 // call agrees exactly once on every rank, whatever path it takes). The lines alternate between two rows (the
 // parity of e): a peer can be at most one call ahead, so it never overwrites the row still being read.
 #define MAX_SLOTS 1024                                   // flag slots per rank (MAX_BLOCKS in peer_memory.py)
@@ -226,12 +228,15 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
                 __threadfence_system();
                 s[0] = (unsigned int)code;
             }
-            store_release_gpu(&ctl->verdict, ((unsigned long long)call << 32) | (unsigned int)code);
+            const unsigned long long v = ((unsigned long long)call << 32) | (unsigned int)code;
+            if (gridDim.x > 1 && after_writes) store_release_gpu(&ctl->verdict, v);
+            else if (gridDim.x > 1) *(volatile unsigned long long*)&ctl->verdict = v;
             verdict = code;
         }
     } else if (threadIdx.x == 0) {
         unsigned long long v;
-        do { v = load_acquire_gpu(&ctl->verdict); } while ((unsigned int)(v >> 32) != call);
+        do { v = after_writes ? load_acquire_gpu(&ctl->verdict) : *(volatile unsigned long long*)&ctl->verdict; }
+        while ((unsigned int)(v >> 32) != call);
         verdict = (int)(v & 0xffffffffu);
     }
     __syncthreads();
@@ -239,18 +244,16 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
 }
 
 // The end of every collective kernel, also one that stopped at a failed agreement: the last block to
-// finish counts the call (so the next kernel's blocks all read the same call number).
+// finish counts the call (so the next kernel's blocks all read the same call number). No fence: the next
+// kernel on the stream starts after this one has ended and sees all it wrote, and every block read the
+// call's number before it came here. (A fence would wait for the block's pushes to the peers to land.)
 __device__ void finish(Control* ctl) {
     __syncthreads();
-    if (threadIdx.x == 0 && gridDim.x == 1) {               // (the next kernel on the stream sees it)
+    if (threadIdx.x == 0 && gridDim.x == 1) {
         ctl->calls += 1;
-    } else if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
-            ctl->finished = 0;
-            __threadfence();
-            atomicAdd(&ctl->calls, 1u);
-        }
+    } else if (threadIdx.x == 0 && atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+        ctl->finished = 0;
+        atomicAdd(&ctl->calls, 1u);
     }
 }
 
@@ -409,13 +412,22 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     if (agree(ctl, sig, flags, epochs, rank, p, false, true) != AGREED) { finish(ctl); return; }
     const uint4* mine = bufs[rank] + area;
     FOR_MY_PACKS(i, 0, packs) {
+        uint4 low[MAX_RANKS], high[MAX_RANKS];
+#pragma unroll
+        for (int q = 0; q < MAX_RANKS; q++)                  // every peer's two lines read at once: one trip
+            if (q < p && q != rank) {                        // to L2, not one per line
+                low[q] = load_line(mine + q * slot_lines + 2 * i);
+                high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
+            }
         Pack<T> v[MAX_RANKS];
 #pragma unroll
         for (int q = 0; q < MAX_RANKS; q++) {
             if (q >= p) continue;
             if (q == rank) { v[q].raw = x[i]; continue; }
-            const uint2 a = wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
-            const uint2 b = wait_line(mine + q * slot_lines + 2 * i + 1, call, ctl, q);
+            const uint2 a = line_has(low[q], call) ? make_uint2(low[q].x, low[q].z)
+                                                   : wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
+            const uint2 b = line_has(high[q], call) ? make_uint2(high[q].x, high[q].z)
+                                                    : wait_line(mine + q * slot_lines + 2 * i + 1, call, ctl, q);
             v[q].raw = make_uint4(a.x, a.y, b.x, b.y);
         }
         out[i] = sum_packs<T>(v, p);
@@ -423,55 +435,61 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     finish(ctl);
 }
 
-// ---- two-shot: reduce-scatter by pushing, allgather by pulling (large messages) -------------------------
-// Rank r's buffer holds p slots of one chunk each. Slot q (q != r) receives chunk r of rank q's input,
-// written there by rank q over NVLink; slot r receives rank r's result for chunk r.
-//   for q != r: bufs[q] slot r = x chunk q                 (push: stores to every peer at once)
-//   barrier(all)
-//   my slot r = out chunk r = sum in rank order of (x chunk r for me, slot q for q)
-//   barrier(all)
-//   for q != r: out chunk q = bufs[q] slot q               (pull the others' results)
-//   barrier(all)                                          (nobody overwrites a slot still being read)
-// Slot q starts at q·chunk, so rank q's result sits at the same index as in `out`.
+// ---- two-shot: reduce-scatter by pushing, allgather by pushing (large messages) -------------------------
+// Rank r's buffer holds two areas of p slots, one chunk each: slot q of `partial` receives chunk r of rank
+// q's input, slot q of `result` receives rank q's finished chunk q. Inputs larger than the areas go through
+// in rounds of p chunks. Every byte crosses NVLink as a write (no round trip), and the results land where
+// they are needed, so a rank only copies its own memory at the end.
+//   agreement (every peer has finished its previous call: the start barrier)
+//   for each round:
+//     for q != r: bufs[q] partial slot r = x chunk q                                  (push)
+//     barrier(all)
+//     s = sum in rank order of (x chunk r for me, partial slot q for q);  out chunk r = s
+//     for q != r: bufs[q] result slot r = s                                           (push)
+//     barrier(all)
+//     for q != r: out chunk q = result slot q                                         (my own memory)
+// No barrier at the end: a peer writes into my partial slots again only after a barrier I pass once I
+// have summed them, and into my result slots only after the next round's (or call's agreement's) first
+// meeting, which I reach once I have copied them out. Chunk r is summed once, by rank r.
 template <typename T>
 __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                          unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
     AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
-    uint4* mine = bufs[rank];
-    for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
-        const int q = (rank + step) % p;
-        const long long f = q * chunk, l = lmin(f + chunk, packs);
-        uint4* slot = bufs[q] + (long long)rank * chunk - f;  // slot[i] for i in chunk q
-        FOR_MY_PACK_PAIRS(i, j, f, l) {
-            const uint4 a = x[i];
-            if (j < l) { const uint4 b = x[j]; slot[j] = b; }
-            slot[i] = a;
+    const long long round_packs = (long long)p * chunk;
+    uint4* partial = bufs[rank];
+    uint4* result = bufs[rank] + round_packs;
+    for (long long first = 0; first < packs; first += round_packs) {
+        const long long last = lmin(first + round_packs, packs);
+        for (int step = 1; step < p; step++) {              // rank r starts at r+1: peers spread the load
+            const int q = (rank + step) % p;
+            const long long f = first + q * chunk, l = lmin(f + chunk, last);
+            uint4* slot = bufs[q] + (long long)rank * chunk - f;  // slot[i] for i in chunk q
+            FOR_MY_PACK_PAIRS(i, j, f, l) {
+                const uint4 a = x[i];
+                if (j < l) { const uint4 b = x[j]; slot[j] = b; }
+                slot[i] = a;
+            }
         }
-    }
-    barrier(flags, epochs, rank, all);
-    const long long f = rank * chunk, l = lmin(f + chunk, packs);
-    const uint4* in[MAX_RANKS];
+        barrier(flags, epochs, rank, all);
+        const long long f = first + rank * chunk, l = lmin(f + chunk, last);
+        const uint4* in[MAX_RANKS];
 #pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++) in[q] = q == rank ? x : mine + (long long)q * chunk - f;
-    FOR_MY_PACKS(i, f, l) {
-        const uint4 s = sum_in_rank_order<T>(in, p, i);
-        mine[i] = s;
-        out[i] = s;
-    }
-    barrier(flags, epochs, rank, all);
-    for (int step = 1; step < p; step++) {
-        const int q = (rank + step) % p;
-        const long long g = q * chunk, h = lmin(g + chunk, packs);
-        const uint4* theirs = bufs[q];
-        FOR_MY_PACK_PAIRS(i, j, g, h) {
-            const uint4 a = load_peer(theirs + i);
-            if (j < h) { const uint4 b = load_peer(theirs + j); out[j] = b; }
-            out[i] = a;
+        for (int q = 0; q < MAX_RANKS; q++) in[q] = q == rank ? x : partial + (long long)q * chunk - f;
+        FOR_MY_PACKS(i, f, l) {
+            const uint4 s = sum_in_rank_order<T>(in, p, i);
+            out[i] = s;
+            for (int step = 1; step < p; step++)             // rank r starts at r+1: peers spread the load
+                (bufs[(rank + step) % p] + round_packs + (long long)rank * chunk - f)[i] = s;
+        }
+        barrier(flags, epochs, rank, all);
+        for (int step = 1; step < p; step++) {
+            const int q = (rank + step) % p;
+            const long long g = first + q * chunk, h = lmin(g + chunk, last);
+            copy_packs<T>(out, result + (long long)q * chunk - g, g, h);
         }
     }
-    barrier(flags, epochs, rank, all);
     finish(ctl);
 }
 

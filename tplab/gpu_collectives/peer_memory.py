@@ -13,8 +13,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
     one_shot_ll    1       2(p-1)·n written: each 8 bytes  the smallest messages: the data carries its own
                            of data go with a 4-byte flag   "ready" flag, so no barrier and no remote read
                            twice (NCCL's LL protocol)
-    two_shot       2       2(p-1)/p·n: push the chunks to  large messages on a switch (NVSwitch): every
-                           their owners, pull the results  link busy at once
+    two_shot       2       2(p-1)/p·n written: push the    large messages on a switch (NVSwitch): every
+                           chunks to their owners, then    link busy at once
+                           the results to everyone
     two_shot_pull  2       the same, both rounds pulled    inputs already in the shared buffer (registered)
     ring           2(p-1)  2(p-1)/p·n, written to the      the textbook ring, steps synchronised by flags
                            right neighbour (push)
@@ -288,6 +289,8 @@ class PeerMemory:
         into ``target`` by ``algorithm`` (not "auto"), summing ``element``s (peer_kernels.KERNEL_TYPES' values)."""
         packs = source.nbytes // PACK
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
+        if algorithm == "two_shot":                                    # two areas of p chunks: in rounds
+            chunk = two_shot_chunk(packs, self.size, self.nbytes // PACK)
         work = packs if algorithm.startswith("one_shot") else chunk
         threads = LL_THREADS if algorithm == "one_shot_ll" else THREADS
         blocks = max(1, min(self.max_blocks, -(-work // threads)))
@@ -423,6 +426,15 @@ class PeerMemory:
             self._status_pointer = 0
 
 
+def two_shot_chunk(packs: int, p: int, area_packs: int) -> int:
+    """two_shot's packs per chunk (whole cache lines): its buffer holds two areas of p chunks (the partial
+    sums it receives, the results), so an input of more than half the buffer goes through in rounds of
+    p chunks, as few rounds as fit and chunks as equal as cache lines allow."""
+    most = area_packs // (2 * p * LINE_PACKS) * LINE_PACKS            # the largest chunk that fits
+    rounds = -(-packs // (p * most))
+    return -(-(-(-packs // rounds)) // (p * LINE_PACKS)) * LINE_PACKS
+
+
 def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
     """What is wrong with these arguments on this rank ('' if nothing)."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -440,6 +452,8 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return "peer all-reduce needs contiguous arrays"
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         return f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}"
+    if out is not None and pm._is_buffer(out) and not pm._is_buffer(x):   # (the kernels' own slots lie there)
+        return "out may be the shared buffer only when x is it too (in place)"
     if x.device.id != pm.device:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
     chosen = pm.choose(x.nbytes) if algorithm == "auto" else algorithm
