@@ -111,6 +111,24 @@ def test_two_shot_in_rounds(count):
     agree(bool((out[100:] == got[100:]).all()), "replayed in rounds differs")
 
 
+def test_back_to_back_launches_see_each_others_writes():
+    """The persistent launches start while the kernel before them ends (programmatic dependent launch on
+    Hopper): each must still see what that kernel wrote, and the next must see its result. Calls back to
+    back, no host wait, the input changed and the output read by CuPy's kernels in between."""
+    x, values = inputs("float32", 3000)
+    algorithms = ["one_shot_ll", "two_shot", "ring", "one_shot", "one_shot_ll", "two_shot", "one_shot_ll"]
+    outs = [cupy.zeros_like(x) for _ in algorithms]
+    runs = [PEERS.allreduce_init(x, out, algorithm) for out, algorithm in zip(outs, algorithms)]
+    for run, out in zip(runs, outs):
+        x += 1
+        run()
+        out *= 2
+    for k, (algorithm, out) in enumerate(zip(algorithms, outs)):
+        want = 2 * NCCL.builtin_allreduce(values + k + 1)
+        agree(close(out.astype(cupy.float64), want, 2 * NCCL.builtin_allreduce(cupy.abs(values + k + 1)), "float32"),
+              f"call {k}: {algorithm}")
+
+
 def test_algorithms_in_any_order():
     """Each algorithm leaves the flags and buffers fit for any other next (one_shot's own double buffer,
     the end barriers of the others): a random sequence of all of them, each checked."""

@@ -98,6 +98,19 @@ __device__ __forceinline__ bool line_has(uint4 v, unsigned int tag) { return v.y
 // an acquire load of its tag once it has come makes the acquire.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// ---- programmatic dependent launch (sm_90 and later) ------------------------------------------------------
+// tplab launches the all-reduce kernels with it (peer_kernels.fast_launcher): the GPU may schedule the next
+// kernel of the stream while this one still runs, and that kernel waits here, at its first line, until
+// this one has ended and its writes are visible -- what a kernel boundary guarantees, without the gap
+// between two launches (about a microsecond in a CUDA graph). Each block also lets the next kernel be
+// scheduled at once (it still waits here). Launched without the attribute, both instructions do nothing.
+__device__ __forceinline__ void after_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
 // Block 0 of every rank sends every peer's block 0 a line holding a 64-bit signature of its arguments
 // (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
@@ -341,6 +354,7 @@ template <typename T>
 __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                          unsigned int* epochs, int rank, int p, long long packs, long long base, long long half,
         Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     const long long at = base + (long long)(epochs[AGREE_SLOT] & 1u) * half;   // (read before block 0 moves it)
     const uint4* in[MAX_RANKS];
 #pragma unroll
@@ -378,6 +392,17 @@ __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call,
     return make_uint2(v.x, v.z);
 }
 
+// Pack i's two lines from every peer q, as they are now (polled again by wait_line where not yet this call's).
+__device__ __forceinline__ void read_lines(uint4* low, uint4* high, const uint4* mine, long long slot_lines,
+                                           long long i, int rank, int p) {
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++)
+        if (q < p && q != rank) {
+            low[q] = load_line(mine + q * slot_lines + 2 * i);
+            high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
+        }
+}
+
 // ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
 // Every rank pushes its input straight into every peer's LL area, 8 bytes of data per 16-byte store with
 // the call's number beside each 4-byte half: {d0, call, d1, call}. A 16-byte store reaches the peer as two
@@ -394,6 +419,7 @@ template <typename T>
 __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                             unsigned int* epochs, int rank, int p, long long packs, long long base,
                             long long slot_lines, Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     if (sig != 0) {
         if (*(volatile unsigned int*)&ctl->failed) { finish(ctl); return; }   // (as agree: peers are not coming)
         agree_signal(sig, flags, epochs, rank, p);
@@ -409,16 +435,15 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
             store_line(line + 1, high);
         }
     }
-    if (agree(ctl, sig, flags, epochs, rank, p, false, true) != AGREED) { finish(ctl); return; }
+    // Every peer's two lines of a pack are read at once (one trip to L2, not one per line); the first pack's
+    // even before the agreement is checked, so that the two trips overlap.
     const uint4* mine = bufs[rank] + area;
+    uint4 low[MAX_RANKS], high[MAX_RANKS];
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (first < packs) read_lines(low, high, mine, slot_lines, first, rank, p);
+    if (agree(ctl, sig, flags, epochs, rank, p, false, true) != AGREED) { finish(ctl); return; }
     FOR_MY_PACKS(i, 0, packs) {
-        uint4 low[MAX_RANKS], high[MAX_RANKS];
-#pragma unroll
-        for (int q = 0; q < MAX_RANKS; q++)                  // every peer's two lines read at once: one trip
-            if (q < p && q != rank) {                        // to L2, not one per line
-                low[q] = load_line(mine + q * slot_lines + 2 * i);
-                high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
-            }
+        if (i != first) read_lines(low, high, mine, slot_lines, i, rank, p);
         Pack<T> v[MAX_RANKS];
 #pragma unroll
         for (int q = 0; q < MAX_RANKS; q++) {
@@ -455,6 +480,7 @@ template <typename T>
 __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                          unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
     const long long round_packs = (long long)p * chunk;
@@ -502,6 +528,7 @@ template <typename T>
 __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                               unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
@@ -535,6 +562,7 @@ template <typename T>
 __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                           unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     AGREE_OR_RETURN();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
@@ -596,6 +624,7 @@ template <typename T>
 __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                      unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
+    after_previous_kernel();
     AGREE_OR_RETURN();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);

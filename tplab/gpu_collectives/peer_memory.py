@@ -432,7 +432,8 @@ def two_shot_chunk(packs: int, p: int, area_packs: int) -> int:
     p chunks, as few rounds as fit and chunks as equal as cache lines allow."""
     most = area_packs // (2 * p * LINE_PACKS) * LINE_PACKS            # the largest chunk that fits
     rounds = -(-packs // (p * most))
-    return -(-(-(-packs // rounds)) // (p * LINE_PACKS)) * LINE_PACKS
+    per_round = -(-packs // rounds)
+    return -(-per_round // (p * LINE_PACKS)) * LINE_PACKS
 
 
 def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
