@@ -205,11 +205,12 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
                 send_signature(flags, q, e, rank, sig);
             }
             const uint4* mine = signature_line(flags, rank, e, q);
-            const unsigned long long start = globaltimer();
+            unsigned long long start = 0;                       // (the clock is read only when waiting)
             unsigned int spins = 0;
             int o = AGREED;
             uint4 line = load_line(mine);
             while (!line_has(line, e)) {
+                if (start == 0) start = globaltimer();
                 if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
                 line = load_line(mine);
             }
