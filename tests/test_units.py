@@ -86,6 +86,20 @@ def test_peer_memory_auto_table_picks_by_size():
     assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
 
 
+@given(packs=st.integers(1, 1 << 26), p=st.integers(2, 8), lines=st.integers(1, 1 << 16))
+def test_two_shot_chunks_fit_its_two_areas(packs, p, lines):
+    """two_shot's chunk (whole cache lines) leaves room for both its areas of p chunks in the buffer, and
+    its rounds of p chunks cover the input."""
+    from tplab.gpu_collectives.peer_kernels import LINE_PACKS
+    from tplab.gpu_collectives.peer_memory import two_shot_chunk
+
+    area = lines * LINE_PACKS * p * 2  # PeerMemory's buffers are whole lines per rank, in packs
+    chunk = two_shot_chunk(packs, p, area)
+    rounds = -(-packs // (p * chunk))
+    assert chunk % LINE_PACKS == 0 and 2 * p * chunk <= area
+    assert rounds * p * chunk >= packs and (rounds - 1) * p * chunk < packs
+
+
 def test_plans_do_not_keep_their_communicator_alive():
     """A communicator's plans must not hold it: a cycle leaves it to the garbage collector, which frees it (and
     a sub-communicator's NCCL communicator, whose destruction waits for the peers) at a different moment on

@@ -89,7 +89,7 @@ class PeerMemory:
         self.device = cupy.cuda.Device().id
         multiprocessors = rt.getDeviceProperties(self.device)["multiProcessorCount"]
         self.max_blocks = min(STREAM_SLOT, multiprocessors, blocks or multiprocessors)  # fewer: SMs left over
-        line = PACK * LINE_PACKS * self.size
+        line = 2 * PACK * LINE_PACKS * self.size      # (two_shot's two areas: p whole cache lines each, at least)
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
         self.ll_bytes = min(self.small, LL_BYTES)                       # one_shot_ll: its area after those
