@@ -38,9 +38,12 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs, freqs), dim=-1)
 
     def forward(self, q, k, first_position: int = 0):  # q: (b, n, s, d), k: (b, kv, s, d)
-        angles = self.angles(first_position, q.shape[2], q.device)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)  # (s, d)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.rotate(q, first_position), self.rotate(k, first_position)
+
+    def rotate(self, x, first_position: int = 0):  # (b, heads, s, d): queries or keys alone
+        angles = self.angles(first_position, x.shape[2], x.device)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (s, d)
+        return x * cos + rotate_half(x) * sin
 
     def extra_repr(self):
         return f"head_dim={self.head_dim}, theta={self.theta}"
