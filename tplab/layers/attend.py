@@ -60,8 +60,9 @@ def attend_with_lse(q, k, v, *, causal: bool):
 
     On a GPU it is one fused kernel (FlashAttention for bf16/fp16, the memory-efficient kernel for
     float32): the (s_q, s_k) scores never reach memory. Elsewhere (the CPU, float64) the scores are
-    written out in float32 at least, exactly. ``causal`` and GQA as in ``attend``; a query row that sees
-    no key (causal with s_q > s_k) gets out = 0 and lse = -inf. Forward only on a GPU.
+    written out in float32 at least, exactly. ``causal`` and GQA as in ``attend``. A query row that sees
+    no key (causal with s_q > s_k) has no attention: the exact path gives out = 0, lse = -inf, the fused
+    kernels have conventions of their own (the schemes never ask for such a row). Forward only on a GPU.
     """
     group = q.shape[1] // k.shape[1]  # query heads per K/V head
     if group > 1:
@@ -69,7 +70,7 @@ def attend_with_lse(q, k, v, *, causal: bool):
     if q.is_cuda and q.dtype != torch.float64:
         try:
             return _fused_attention_with_lse(q, k, v, causal)
-        except RuntimeError as e:  # a head dim or GPU the kernel does not take: the exact way, slower
+        except (RuntimeError, TypeError) as e:  # a head dim, GPU or torch the kernel does not take: exact, slower
             warnings.warn(f"attend_with_lse: no fused kernel for these inputs ({e}); scores written out instead",
                           RuntimeWarning, stacklevel=2)
     return _exact_attention_with_lse(q, k, v, causal)
