@@ -29,8 +29,9 @@ as soon as its own K and V have arrived; on a GPU the gathers go on a side strea
                                             ^ waits for K_0, V_0 only
 
 Only group 0's gather is exposed, and not even that where there is compute to do before the attention
-(layer.py starts the gathers before it computes Q). Same bytes, G times as many messages; the output is
-the same up to rounding, and exactly the same on the CPU, where the same code runs in program order.
+(layer.py starts the gathers before it computes Q). Same bytes, G times as many messages, the same output
+(up to rounding: a kernel may sum in another order for fewer heads); on the CPU the same code runs in
+program order, with no streams.
 ``head_groups=1`` (the default) is the scheme as written above: no side stream, one K and one V gather.
 """
 
