@@ -95,7 +95,10 @@ class KVGathers:
             pieces.append(attend_local(q_group, k_all, v_all, self.rank, self.size, causal=causal,
                                        layout=self.layout))
         self.side.fence()  # the gathers' memory is reused on the side stream only after this compute
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        if len(pieces) == 1:
+            return pieces[0]
+        # (b, n, s/p, d), laid out as (b, s/p, n, d) in memory: what the output projection reads, with no copy
+        return torch.cat([piece.transpose(1, 2) for piece in pieces], dim=2).transpose(1, 2)
 
 
 def start_kv_gathers(k, v, comm, *, queries, layout: str = "contiguous", head_groups: int = 1,
