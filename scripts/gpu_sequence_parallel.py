@@ -72,7 +72,8 @@ from tplab.toolkit.timing import time_calls  # noqa: E402
 BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
-           "head_groups", "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
+           "head_groups", "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s",
+           "fastest_rank_s",
            "unsplit_time_s", "speedup", "efficiency", "tokens_per_s", "weak_efficiency", "bytes_per_rank",
            "predicted_bytes_per_rank", "max_rel_error", "iters", "warmup", "date"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -236,8 +237,8 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     # one GPU: nothing to gather, every path is the same code; run each scheme once
     runs = [("single_gpu", "one GPU, no communication", host, {}, set(args.schemes), True)] if p == 1 else paths
     for base_name, base_transport, comm, base_options, schemes, counted in runs:
-        for scheme, groups in [(sc, g) for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)
-                               for g in (args.head_groups if sc == "allgather_kv" else [None])]:
+        here = [sc for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)]
+        for scheme, groups in [(sc, g) for sc in here for g in (args.head_groups if sc == "allgather_kv" else [None])]:
             if scheme == "ulysses" and args.heads % p:
                 log(f"  skip ulysses: {args.heads} heads over {p} ranks")
                 continue
@@ -246,7 +247,8 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
             if groups is not None:
                 options["head_groups"] = groups
                 if groups > 1:  # a variant of the path: its own name, so that each row's (scheme, path) is unique
-                    name, transport = f"{base_name}_g{groups}", f"{base_transport}; K/V in {groups} head groups, overlapped"
+                    name = f"{base_name}_g{groups}"
+                    transport = f"{base_transport}; K/V in {groups} head groups, overlapped"
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
             layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
                                           check=False, **options)
@@ -327,7 +329,8 @@ def main():
                         help="comma-separated paths to run (staged_ring, staged_mpi, direct_ring, direct_nccl, "
                              "direct_peer, direct_vendor), or all")
     parser.add_argument("--head-groups", default="1",
-                        help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped (1: as it was)")
+                        help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped "
+                             "(1: as it was)")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--seq", type=int, default=4096)

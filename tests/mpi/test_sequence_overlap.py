@@ -23,7 +23,7 @@ from tplab.sequence.online_softmax import OnlineSoftmax  # noqa: E402
 
 P, RANK = COMM.size, COMM.rank
 C = world(timeout=10)
-TOL = dict(rtol=1e-12, atol=1e-12)
+TOL = {"rtol": 1e-12, "atol": 1e-12}
 KV_HEADS = 4  # head groups of 1, 2 or 4 K/V heads; 8 query heads (GQA: two per K/V head)
 
 
@@ -34,7 +34,8 @@ def randn(*shape, seed):
 
 def qkv(seed, kv_heads=KV_HEADS):
     b, s, d = 2, 2 * P * 3, 4  # zig-zag: s divisible by 2P
-    return randn(b, 8, s, d, seed=seed), randn(b, kv_heads, s, d, seed=seed + 1), randn(b, kv_heads, s, d, seed=seed + 2)
+    return (randn(b, 8, s, d, seed=seed), randn(b, kv_heads, s, d, seed=seed + 1),
+            randn(b, kv_heads, s, d, seed=seed + 2))
 
 
 def mine(t, layout):
@@ -63,7 +64,8 @@ def test_head_groups_give_full_attention_and_its_gradients_with_the_same_bytes(c
           f"{C.messages_sent} messages for {head_groups} groups")  # the same bytes, in G times the messages
     out.pow(2).sum().backward()
     for name, whole, part in zip("qkv", (q, k, v), parts):
-        agree(torch.allclose(part.grad, mine(whole.grad, layout), **TOL), f"d{name} " + differs(part.grad, mine(whole.grad, layout)))
+        want = mine(whole.grad, layout)
+        agree(torch.allclose(part.grad, want, **TOL), f"d{name} " + differs(part.grad, want))
 
 
 def llama_block():
