@@ -18,12 +18,25 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     direct_peer   tplab's peer-memory all-gather (tplab.gpu_collectives.peer_memory: CUDA IPC, flags in GPU memory,
                   every peer read at once in one kernel)
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
-and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Timing: CUDA events around each forward
+and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
+fused kernel that returns the block's log-sum-exp (FlashAttention in bf16) and moves the blocks on a second CUDA
+stream. ``--head-groups 1,4,8`` also runs the all-gather scheme with K and V gathered in that many groups of heads
+on a second stream, each group attended as soon as it arrives (tplab.sequence.allgather_kv): the rows' path is
+then ``<path>_g<G>`` (e.g. direct_peer_g4) and ``head_groups`` says G (1: the scheme as it was, one K and one V
+gather on the compute stream). Timing: CUDA events around each forward
 (they count the time the GPU waits for the host: copies and host MPI), --warmup untimed calls, the median of
 --iters, the slowest rank. The unsplit layer on one GPU is timed in every run (rank 0) as the baseline of
 ``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--components`` adds
 rows timing the pieces of one all-gather (PCIe copies, host MPI, NVLink) for the cost model
 (tplab.cost.staged_vs_direct). Output: OUT_DIR/sequence_parallel_gpu_<card>.csv with a ``machine`` column.
+
+One short run at p = 4 only (strong scaling; bf16 and fp32; the overlapped variants next to the paths they
+start from; a few minutes on 4 H100s):
+
+    PYTHONPATH=$PWD mpiexec -n 4 python3 scripts/gpu_sequence_parallel.py OUT_DIR --modes strong --no-components \
+        --paths direct_peer,direct_nccl,direct_ring --head-groups 1,4,8
+
+A CPU dry run of the same code, tiny, on host MPI: add ``--device cpu --hidden 64 --heads 8 --seq 64 --batch 1``.
 """
 
 from __future__ import annotations
@@ -59,7 +72,8 @@ from tplab.toolkit.timing import time_calls  # noqa: E402
 BUILD_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu")  # git-ignored
 
 COLUMNS = ["machine", "gpu", "run_ranks", "kind", "mode", "p", "dtype", "scheme", "layout", "causal", "path", "transport",
-           "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s", "fastest_rank_s",
+           "head_groups", "component", "hidden", "heads", "seq_len", "batch", "tokens_per_rank", "time_s",
+           "fastest_rank_s",
            "unsplit_time_s", "speedup", "efficiency", "tokens_per_s", "weak_efficiency", "bytes_per_rank",
            "predicted_bytes_per_rank", "max_rel_error", "iters", "warmup", "date"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -222,14 +236,22 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     x = shard(x_full, host.rank, p, args.layout, dim=1)  # (b, s/p, h)
     # one GPU: nothing to gather, every path is the same code; run each scheme once
     runs = [("single_gpu", "one GPU, no communication", host, {}, set(args.schemes), True)] if p == 1 else paths
-    for name, transport, comm, options, schemes, counted in runs:
-        for scheme in [sc for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)]:
+    for base_name, base_transport, comm, base_options, schemes, counted in runs:
+        here = [sc for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)]
+        for scheme, groups in [(sc, g) for sc in here for g in (args.head_groups if sc == "allgather_kv" else [None])]:
             if scheme == "ulysses" and args.heads % p:
                 log(f"  skip ulysses: {args.heads} heads over {p} ranks")
                 continue
+            options = dict(base_options) if scheme == "allgather_kv" else {}
+            name, transport = base_name, base_transport
+            if groups is not None:
+                options["head_groups"] = groups
+                if groups > 1:  # a variant of the path: its own name, so that each row's (scheme, path) is unique
+                    name = f"{base_name}_g{groups}"
+                    transport = f"{base_transport}; K/V in {groups} head groups, overlapped"
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
             layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
-                                          check=False, **(options if scheme == "allgather_kv" else {}))
+                                          check=False, **options)
             with torch.no_grad():
                 sent = comm.bytes_sent
                 y = layer(x)
@@ -238,14 +260,14 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                 error = float((y - shard(expected, host.rank, p, args.layout, dim=1)).abs().max().float() / scale)
             time_s, fastest = measure(lambda: layer(x), host, args)
             predicted = attention_bytes(scheme, args.batch, s, args.hidden, p, bytes_per_element=x.element_size())
-            rows.append({**common, "scheme": scheme, "path": name, "transport": transport,
+            rows.append({**common, "scheme": scheme, "path": name, "transport": transport, "head_groups": groups,
                          "time_s": time_s, "fastest_rank_s": fastest, "speedup": unsplit / time_s,
                          "efficiency": unsplit / time_s / p, "tokens_per_s": args.batch * s / time_s,
                          "weak_efficiency": base / time_s if mode == "weak" else None,
                          "bytes_per_rank": max(host.allgather_object(sent)) if counted else None,
                          "predicted_bytes_per_rank": predicted if p > 1 else 0,
                          "max_rel_error": max(host.allgather_object(error))})
-            log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:13} {time_s * 1e3:9.2f} ms  "
+            log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:16} {time_s * 1e3:9.2f} ms  "
                 f"speedup {unsplit / time_s:5.2f}x  error {rows[-1]['max_rel_error']:.1e}")
     del x_full, expected
     if args.device == "cuda":
@@ -279,6 +301,22 @@ def component_rows(host, nccl, vendor, dtype_name, args):
     return rows
 
 
+def upgrade_header(csv_path: Path) -> None:
+    """A CSV written by an older version of this script (fewer columns) is rewritten with today's columns
+    (empty where it had none), so that the rows appended next line up with the header."""
+    if not csv_path.exists():
+        return
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames == COLUMNS:
+            return
+        old = list(reader)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(old)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default=BUILD_GPU,
@@ -287,6 +325,12 @@ def main():
     parser.add_argument("--modes", default="strong,weak")
     parser.add_argument("--schemes", default="allgather_kv,ulysses,ring")
     parser.add_argument("--weak-schemes", default="allgather_kv", help="schemes also run in weak scaling")
+    parser.add_argument("--paths", default="all",
+                        help="comma-separated paths to run (staged_ring, staged_mpi, direct_ring, direct_nccl, "
+                             "direct_peer, direct_vendor), or all")
+    parser.add_argument("--head-groups", default="1",
+                        help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped "
+                             "(1: as it was)")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--seq", type=int, default=4096)
@@ -300,6 +344,9 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
     args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
+    args.head_groups = [int(g) for g in args.head_groups.split(",")]
+    if any(g < 1 or args.heads % g for g in args.head_groups):  # (the layer has as many K/V heads as heads)
+        parser.error(f"--head-groups: each G must divide the {args.heads} heads")
 
     if args.device == "cuda":
         bind_gpu()
@@ -316,6 +363,10 @@ def main():
         except Exception as e:  # noqa: BLE001 - reported; the other paths still run
             log(f"  direct_peer skipped: {type(e).__name__}: {e}")
     paths = paths_here(host, nccl, problem, args.schemes, args.device, peers)
+    if args.paths != "all":
+        chosen = args.paths.split(",")
+        log(f"  paths here: {[path[0] for path in paths]}; running {[c for c in chosen if c in [q[0] for q in paths]]}")
+        paths = [path for path in paths if path[0] in chosen]
     vendor = next((path[3]["gather"] for path in paths if path[0] == "direct_vendor"), None)
     machine = machine_description(host, args.device)
     log(f"p = {host.size}: {machine}\n  direct path: {'tplab.comm.nccl' if nccl else 'torch.distributed (' + problem + ')'}")
@@ -345,6 +396,7 @@ def main():
     faulthandler.cancel_dump_traceback_later()
     if host.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        upgrade_header(csv_path)
         fresh = not csv_path.exists()
         with open(csv_path, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")

@@ -6,9 +6,15 @@ rotary embeddings and collectives around it are theirs.
 
     q = ...  (b, n, s_q, d)          k, v = extend_cache(cache, k, v)   (b, n_kv, past + s, d)
     y = attend(q, k, v, causal=True)  (b, n, s_q, d)
+
+``attend_with_lse`` is the same attention that also returns each query row's log-sum-exp of its scores:
+what it takes to combine the attention over one block of keys with the attention over another (ring
+attention, tplab.sequence.online_softmax).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch.nn import functional as F
@@ -40,6 +46,62 @@ def attend(q, k, v, *, causal: bool, mask=None):
         visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)  # (s_q, s_k)
         mask = mask & visible if mask.dtype == torch.bool else mask.masked_fill(~visible, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attend_with_lse(q, k, v, *, causal: bool):
+    """(out, lse): ``attend(q, k, v, causal=causal)`` and, for every query row, the log-sum-exp of its
+    visible scores, lse = log Σ_j exp(q·k_j / √d)  ->  out (b, n, s_q, d) in q's dtype, lse (b, n, s_q) in
+    float32 (float64 for float64 inputs).
+
+    Why the lse: softmax over the keys of two blocks A and B together is a weighted mean of the two
+    blocks' own attentions, out = exp(lse_A - lse)·out_A + exp(lse_B - lse)·out_B with
+    lse = log(exp(lse_A) + exp(lse_B)); so attention over keys that arrive block by block never needs a
+    block's score matrix after its kernel has returned.
+
+    On a GPU it is one fused kernel (FlashAttention for bf16/fp16, the memory-efficient kernel for
+    float32): the (s_q, s_k) scores never reach memory. Elsewhere (the CPU, float64) the scores are
+    written out in float32 at least, exactly. ``causal`` and GQA as in ``attend``. A query row that sees
+    no key (causal with s_q > s_k) has no attention: the exact path gives out = 0, lse = -inf, the fused
+    kernels have conventions of their own (the schemes never ask for such a row). Forward only on a GPU.
+    """
+    group = q.shape[1] // k.shape[1]  # query heads per K/V head
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, s_k, d)
+    if q.is_cuda and q.dtype != torch.float64:
+        try:
+            return _fused_attention_with_lse(q, k, v, causal)
+        except (RuntimeError, TypeError) as e:  # a head dim, GPU or torch the kernel does not take: exact, slower
+            warnings.warn(f"attend_with_lse: no fused kernel for these inputs ({e}); scores written out instead",
+                          RuntimeWarning, stacklevel=2)
+    return _exact_attention_with_lse(q, k, v, causal)
+
+
+def _fused_attention_with_lse(q, k, v, causal: bool):
+    """PyTorch's own kernels, called directly because F.scaled_dot_product_attention drops the lse.
+    Both align a causal mask to the lower right (as ``attend``) when called with these arguments."""
+    scale = q.shape[-1] ** -0.5
+    if q.dtype in (torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse  # (b, n, s_q, d), (b, n, s_q) float32
+    # float32: the memory-efficient kernel, on (b, s, n, d) views; mask type 2 = causal, lower right;
+    # its lse is padded to a multiple of 32 query rows
+    out, lse = torch.ops.aten._efficient_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0,
+        2 if causal else 0, True, scale=scale)[:2]
+    return out.transpose(1, 2), lse[..., : q.shape[2]]
+
+
+def _exact_attention_with_lse(q, k, v, causal: bool):
+    """The definition, with the scores in memory: float32 at least (float64 stays float64)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s_q, s_k = q.shape[2], k.shape[2]
+    scores = (q.to(wide) @ k.to(wide).transpose(-2, -1)) * q.shape[-1] ** -0.5  # (b, n, s_q, s_k)
+    if causal:
+        visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b, n, s_q, 1); -inf for a row with no key
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0))  # softmax; 0 everywhere in a row with no key
+    return (weights @ v.to(wide)).to(q.dtype), lse.squeeze(-1)
 
 
 def past_length(cache) -> int:

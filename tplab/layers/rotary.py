@@ -37,10 +37,17 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # (length, d/2)
         return torch.cat((freqs, freqs), dim=-1)
 
+    def cos_sin(self, first_position: int, length: int, like: torch.Tensor):  # two (length, d) in like's dtype
+        angles = self.angles(first_position, length, like.device)
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
     def forward(self, q, k, first_position: int = 0):  # q: (b, n, s, d), k: (b, kv, s, d)
-        angles = self.angles(first_position, q.shape[2], q.device)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)  # (s, d)
+        cos, sin = self.cos_sin(first_position, q.shape[2], q)  # (s, d): one pair for both (autograd keeps it once)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate(self, x, first_position: int = 0):  # (b, heads, s, d): queries or keys alone
+        cos, sin = self.cos_sin(first_position, x.shape[2], x)
+        return x * cos + rotate_half(x) * sin
 
     def extra_repr(self):
         return f"head_dim={self.head_dim}, theta={self.theta}"

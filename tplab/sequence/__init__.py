@@ -3,9 +3,12 @@
     layout.py          which tokens a rank holds: contiguous chunks, or zig-zag (chunks i and 2p-1-i)
                        that balance causal attention; shard(), positions()
     gather.py          all-gather along the sequence (backward: reduce-scatter); the course project's CPU staging
-    allgather_kv.py    all-gather K and V, attend with my queries (the course project's scheme)
-    online_softmax.py  softmax over key blocks that arrive one by one (FlashAttention's recurrence)
+    allgather_kv.py    all-gather K and V, attend with my queries (the course project's scheme); head_groups=G:
+                       the heads gathered in G groups, each attended as soon as it arrives
+    online_softmax.py  softmax over key blocks that arrive one by one (FlashAttention's recurrence), merged
+                       through each block's log-sum-exp
     ring.py            ring attention: K/V blocks passed around, next transfer started before compute
+    streams.py         a second CUDA stream for the transfers, so they overlap the compute (nothing on the CPU)
     ulysses.py         DeepSpeed Ulysses: all-to-all tokens <-> heads (tplab.collectives.alltoall)
     checks.py          bad input: the same clear error on every rank
     layer.py           SequenceParallelBlock: the course project's layer, equal to the unsplit Block; unsplit_layer

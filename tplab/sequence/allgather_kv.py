@@ -19,6 +19,20 @@ rank 0 least and rank p-1 most; under the zig-zag layout every rank does the sam
 
 Differentiable: the all-gathers' backward is a reduce-scatter (gather.py), so gradients reach every
 rank's q, k, v (and the weights that made them) exactly.
+
+Overlap (``head_groups=G``): as written above the attention waits for the whole exchange. But attention
+is independent per head, so the K/V heads can travel in G groups, and each group's attention can start
+as soon as its own K and V have arrived; on a GPU the gathers go on a side stream (streams.py):
+
+    side stream      [gather K_0, V_0][gather K_1, V_1] ... [gather K_G-1, V_G-1]
+    compute stream   [Q (the layer's), ...][attend group 0][attend group 1] ... [attend group G-1]
+                                            ^ waits for K_0, V_0 only
+
+Only group 0's gather is exposed, and not even that where there is compute to do before the attention
+(layer.py starts the gathers before it computes Q). Same bytes, G times as many messages, the same output
+(up to rounding: a kernel may sum in another order for fewer heads); on the CPU the same code runs in
+program order, with no streams.
+``head_groups=1`` (the default) is the scheme as written above: no side stream, one K and one V gather.
 """
 
 from __future__ import annotations
@@ -26,9 +40,10 @@ from __future__ import annotations
 import torch
 
 from tplab.layers.attend import attend
-from tplab.sequence.checks import check_attention_inputs
+from tplab.sequence.checks import check_attention_inputs, check_head_groups
 from tplab.sequence.gather import gather_sequence
 from tplab.sequence.layout import chunk_length, my_chunks, to_global_order
+from tplab.sequence.streams import SideStream
 
 
 def repeat_kv(k: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -53,15 +68,60 @@ def attend_local(q, k_all, v_all, rank: int, p: int, *, causal: bool = True, lay
     return torch.cat(pieces, dim=2)
 
 
+class KVGathers:
+    """Every rank's K and V on their way, head group by head group; ``attend(q)`` uses each group as it
+    arrives. Made by ``start_kv_gathers``."""
+
+    def __init__(self, k, v, comm, *, layout, head_groups, algorithm, gather, check):
+        self.rank, self.size, self.layout, self.kv_heads = comm.rank, comm.size, layout, k.shape[1]
+        # one group: today's scheme on the compute stream; more: the gathers on a side stream (GPU)
+        self.side = SideStream(k.device if head_groups > 1 else torch.device("cpu"))
+        per_group = k.shape[1] // head_groups
+        self.groups = []  # (K/V heads, K (b, n_kv/G, s, d), V, "arrived" event)
+        with self.side.after_compute(k, v):
+            for g in range(head_groups):
+                heads = slice(g * per_group, (g + 1) * per_group)
+                k_all = gather_sequence(k[:, heads], comm, dim=2, algorithm=algorithm, gather=gather, check=check)
+                v_all = gather_sequence(v[:, heads], comm, dim=2, algorithm=algorithm, gather=gather, check=check)
+                self.groups.append((heads, k_all, v_all, self.side.record()))
+
+    def attend(self, q, *, causal: bool = True) -> torch.Tensor:
+        """My queries (b, n, s/p, d) against every key  ->  (b, n, s/p, d)."""
+        per_kv = q.shape[1] // self.kv_heads  # GQA: query heads per K/V head (a group's are consecutive)
+        pieces = []
+        for heads, k_all, v_all, arrived in self.groups:
+            self.side.wait(arrived, k_all, v_all)  # this group's K and V are here; later groups may still travel
+            q_group = q[:, heads.start * per_kv: heads.stop * per_kv]  # (b, n/G, s/p, d)
+            pieces.append(attend_local(q_group, k_all, v_all, self.rank, self.size, causal=causal,
+                                       layout=self.layout))
+        self.side.fence()  # the gathers' memory is reused on the side stream only after this compute
+        if len(pieces) == 1:
+            return pieces[0]
+        # (b, n, s/p, d), laid out as (b, s/p, n, d) in memory: what the output projection reads, with no copy
+        return torch.cat([piece.transpose(1, 2) for piece in pieces], dim=2).transpose(1, 2)
+
+
+def start_kv_gathers(k, v, comm, *, queries, layout: str = "contiguous", head_groups: int = 1,
+                     algorithm: str = "ring", gather=None, check: bool = True) -> KVGathers:
+    """Start the all-gathers of this rank's k, v (b, n_kv, s/p, d) in ``head_groups`` groups of heads.
+    ``queries``: q, or a tensor of q's shape and dtype on the meta device when q is not computed yet
+    (the layer computes it while K and V travel): with ``check``, the shapes are agreed on first."""
+    check_head_groups(head_groups, k.shape[1])
+    if check:
+        check_attention_inputs(queries, k, v, comm, layout)
+    return KVGathers(k, v, comm, layout=layout, head_groups=head_groups, algorithm=algorithm, gather=gather,
+                     check=check)
+
+
 def allgather_kv_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous",
-                           algorithm: str = "ring", gather=None, check: bool = True) -> torch.Tensor:
+                           algorithm: str = "ring", gather=None, head_groups: int = 1,
+                           check: bool = True) -> torch.Tensor:
     """q (b, n, s/p, d), k, v (b, n_kv, s/p, d): this rank's tokens  ->  (b, n, s/p, d).
 
     ``algorithm``: tplab's all-gather algorithm; ``gather``: another way to move the bytes (gather.py:
-    the course project's CPU staging, or the vendor's all-gather); ``check``: agree on shapes first (one small
-    uncounted exchange), so bad input is the same clear error on every rank."""
-    if check:
-        check_attention_inputs(q, k, v, comm, layout)
-    k_all = gather_sequence(k, comm, dim=2, algorithm=algorithm, gather=gather, check=check)  # (b, n_kv, s, d)
-    v_all = gather_sequence(v, comm, dim=2, algorithm=algorithm, gather=gather, check=check)
-    return attend_local(q, k_all, v_all, comm.rank, comm.size, causal=causal, layout=layout)
+    the course project's CPU staging, or the vendor's all-gather); ``head_groups``: gather (and attend)
+    in that many groups of K/V heads, overlapped on a GPU (a divisor of n_kv); ``check``: agree on shapes
+    first (one small uncounted exchange), so bad input is the same clear error on every rank."""
+    gathers = start_kv_gathers(k, v, comm, queries=q, layout=layout, head_groups=head_groups,
+                               algorithm=algorithm, gather=gather, check=check)
+    return gathers.attend(q, causal=causal)

@@ -3,7 +3,8 @@
 Before any data moves, every rank publishes its shapes and its local problems (one small uncounted
 ``allgather_object``) and every rank raises the same ``SequenceParallelError`` if anything is wrong
 anywhere: shapes that differ between ranks, a local sequence that does not cut into the layout's chunks,
-head counts Ulysses cannot split. ``check=False`` (benchmarks) skips the exchange.
+head counts Ulysses cannot split. ``check=False`` (benchmarks) skips the exchange. (Options that every rank
+has alike, such as the all-gather's ``head_groups``, are checked where they are, with no exchange.)
 """
 
 from __future__ import annotations
@@ -54,3 +55,11 @@ def check_attention_inputs(q, k, v, comm, layout: str, *, heads_divisible: bool 
             messages.append(f"ranks disagree on {key}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
     if messages:
         raise SequenceParallelError("; ".join(messages))
+
+
+def check_head_groups(head_groups, kv_heads: int) -> None:
+    """The all-gather's head groups (allgather_kv.py) must split the K/V heads evenly. Every rank has the
+    same layer and options, so every rank raises the same error before any data moves."""
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1 or kv_heads % head_groups:
+        raise SequenceParallelError(f"head_groups={head_groups!r}: the {kv_heads} key/value heads must split into "
+                                    f"equal groups (a whole number >= 1 that divides {kv_heads})")

@@ -5,8 +5,9 @@ tokens of each sequence. Everything a token does on its own needs no communicati
 mixes tokens:
 
     x (b, s/p, h)  my tokens
-    ├─ norm1, Q/K/V projections (RoPE)    local (per token; rotary angles from global positions)
+    ├─ norm1, K/V, then Q (RoPE)          local (per token; rotary angles from global positions)
     ├─ attention                          the scheme: all-gather K/V | ring | Ulysses   <- the only comm
+    │                                     (the all-gather starts before Q is computed, to overlap it)
     ├─ output projection, residual        local
     └─ norm2, MLP, residual               local (per token)
     y (b, s/p, h)  my tokens of the output
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tplab.sequence.allgather_kv import allgather_kv_attention
+from tplab.sequence.allgather_kv import allgather_kv_attention, start_kv_gathers
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.ring import ring_attention
 from tplab.sequence.ulysses import ulysses_attention
@@ -41,7 +42,9 @@ def attention_scheme(name: str):
 
 class SequenceParallelBlock(nn.Module):
     """``block``: a ``tplab.models.gpt.Block`` (its modules are used, not copied). ``options`` go to the
-    attention scheme (all-gather K/V: ``algorithm``, ``gather``; all: ``check``)."""
+    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``; all: ``check``).
+    K and V are computed before Q: the all-gather K/V scheme starts moving them, and computes Q (on a GPU
+    with ``head_groups`` > 1: while they travel, allgather_kv.py)."""
 
     def __init__(self, block: nn.Module, comm, *, scheme: str = "allgather_kv", layout: str = "contiguous",
                  causal: bool = True, **options):
@@ -52,22 +55,32 @@ class SequenceParallelBlock(nn.Module):
 
     def attention(self, x):  # x: (b, s/p, h) my tokens, after norm1
         a = self.block.attention
-        b, s_local, h = x.shape
-        q = a.q_proj(x).view(b, s_local, a.n_head, a.head_dim).transpose(1, 2)  # (b, n, s/p, d)
-        k = a.k_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)  # (b, n_kv, s/p, d)
+        b, s_local, _ = x.shape
+        k = self.rotated(a.k_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2))  # (b, n_kv, s/p, d)
         v = a.v_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)
-        if getattr(a, "rotary", None) is not None:  # RoPE: rotate by *global* positions, chunk by chunk
-            q, k = self.rotate(a.rotary, q, k)
-        y = self.attend(q, k, v, self.comm, causal=self.causal, layout=self.layout, **self.options)
+        if self.scheme == "allgather_kv":  # K and V leave first; Q is computed while they travel
+            queries = torch.empty((b, a.n_head, s_local, a.head_dim), dtype=k.dtype, device="meta")  # q's shape
+            gathers = start_kv_gathers(k, v, self.comm, queries=queries, layout=self.layout, **self.options)
+            y = gathers.attend(self.queries(x), causal=self.causal)
+        else:
+            y = self.attend(self.queries(x), k, v, self.comm, causal=self.causal, layout=self.layout, **self.options)
         return a.o_proj(y.transpose(1, 2).reshape(b, s_local, a.n_head * a.head_dim))  # (b, s/p, h)
 
-    def rotate(self, rotary, q, k):
-        """Each of my chunks holds consecutive positions, starting at chunk index x chunk length."""
+    def queries(self, x):  # (b, s/p, h) -> (b, n, s/p, d), rotated
+        a = self.block.attention
+        b, s_local, _ = x.shape
+        return self.rotated(a.q_proj(x).view(b, s_local, a.n_head, a.head_dim).transpose(1, 2))
+
+    def rotated(self, t):
+        """RoPE (if the block has it) by *global* positions: each of my chunks holds consecutive
+        positions, starting at chunk index x chunk length."""
+        rotary = getattr(self.block.attention, "rotary", None)
+        if rotary is None:
+            return t
         chunks = my_chunks(self.comm.rank, self.comm.size, self.layout)
-        length = q.shape[2] // len(chunks)
-        pieces = [rotary(q_c, k_c, first_position=c * length)
-                  for c, q_c, k_c in zip(chunks, q.split(length, dim=2), k.split(length, dim=2))]
-        return torch.cat([pq for pq, _ in pieces], dim=2), torch.cat([pk for _, pk in pieces], dim=2)
+        length = t.shape[2] // len(chunks)
+        return torch.cat([rotary.rotate(piece, first_position=c * length)
+                          for c, piece in zip(chunks, t.split(length, dim=2))], dim=2)
 
     def forward(self, x):  # (b, s/p, h)
         x = x + self.attention(self.block.norm1(x))

@@ -1,29 +1,44 @@
 """Attention over key blocks that arrive one at a time: the online softmax (FlashAttention's recurrence).
 
 softmax(q Kᵀ) V needs, for each query row, the maximum and the sum over *all* keys. Ring attention sees
-the keys one block at a time, so each query row keeps three running quantities instead:
+the keys one block at a time, so each query row keeps a running summary of the keys seen so far instead.
+FlashAttention's form of it is three running quantities,
 
-    m    the largest score seen so far                            (b, n, sq, 1)
-    l    sum over seen keys of exp(score - m)                     (b, n, sq, 1)
+    m    the largest score seen so far                            (b, n, sq)
+    l    sum over seen keys of exp(score - m)                     (b, n, sq)
     acc  sum over seen keys of exp(score - m) · v                 (b, n, sq, d)
 
-and folds in a new block of scores S (with values V) as
+and a new block of scores S (with values V) is folded in as
 
-    m_new = max(m, rowmax(S))
-    c     = exp(m - m_new)                      how much the old sums shrink under the new maximum
+    m_new = max(m, rowmax(S));   c = exp(m - m_new)     how much the old sums shrink under the new maximum
     l     = c · l   + rowsum(exp(S - m_new))
-    acc   = c · acc + exp(S - m_new) V
-    m     = m_new
+    acc   = c · acc + exp(S - m_new) V;                 m = m_new
 
-After the last block, out = acc / l is exactly softmax(q Kᵀ) V (up to rounding), in any block order.
+and after the last block out = acc / l is exactly softmax(q Kᵀ) V (up to rounding), in any block order.
+
+The same summary, kept normalised, is two quantities: out = acc / l, the attention over the keys seen so
+far, and lse = m + log l, the log-sum-exp of their scores. Attention over one block *alone* is such a
+summary too, and one fused kernel returns it without writing the block's scores to memory
+(``tplab.layers.attend.attend_with_lse``: FlashAttention on a GPU). Two summaries combine as
+
+    lse_new = log(exp(lse) + exp(lse_b))                  (logaddexp: no overflow)
+    out     = exp(lse - lse_new) · out + exp(lse_b - lse_new) · out_b
+
+(the two weights are the shares of the two key sets in the softmax's sum: they add up to 1). This class
+keeps (out, lse) and folds each block in that way, as ring attention does on GPUs (ring-flash-attention);
+the (m, l, acc) recurrence above is what happens *inside* the block's kernel, tile by tile.
+
 Every block folded in must leave each query row at least one visible key (true for the blocks the
-schemes fold in: a causal diagonal block always shows the query its own key), so m is finite and no
-exp(-inf - -inf) appears. The sums run in float32 at least (bf16 inputs), as FlashAttention's do.
+schemes fold in: a causal diagonal block always shows the query its own key), so lse stays finite and no
+exp(-inf - -inf) appears. The running (out, lse) are float32 at least (bf16 inputs), as FlashAttention's
+sums are; each block's out comes back in the inputs' dtype, as the kernel writes it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tplab.layers.attend import attend_with_lse
 
 
 class OnlineSoftmax:
@@ -31,24 +46,25 @@ class OnlineSoftmax:
         self.out_dtype = q.dtype
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         b, n, sq, d = q.shape
-        self.scale = d**-0.5
-        self.m = torch.full((b, n, sq, 1), float("-inf"), dtype=acc_dtype, device=q.device)
-        self.l = torch.zeros((b, n, sq, 1), dtype=acc_dtype, device=q.device)
-        self.acc = torch.zeros((b, n, sq, d), dtype=acc_dtype, device=q.device)
+        self.out = torch.zeros((b, n, sq, d), dtype=acc_dtype, device=q.device)  # attention over keys seen so far
+        self.lse = torch.full((b, n, sq), float("-inf"), dtype=acc_dtype, device=q.device)  # their log-sum-exp
+        self.empty = True  # no key seen yet
 
     def update(self, q, k, v, causal_diagonal: bool = False) -> None:
         """Fold in keys k and values v (b, n, sk, d). ``causal_diagonal``: q and k cover the same
         positions, so query i may only see keys 0..i of this block."""
-        scores = (q @ k.transpose(-2, -1)).to(self.acc.dtype) * self.scale  # (b, n, sq, sk)
-        if causal_diagonal:
-            future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(diagonal=1)
-            scores = scores.masked_fill(future, float("-inf"))
-        m_new = torch.maximum(self.m, scores.amax(dim=-1, keepdim=True))
-        shrink = torch.exp(self.m - m_new)  # (b, n, sq, 1); 0 on the first block (m = -inf)
-        weights = torch.exp(scores - m_new)  # (b, n, sq, sk)
-        self.l = shrink * self.l + weights.sum(dim=-1, keepdim=True)
-        self.acc = shrink * self.acc + weights @ v.to(self.acc.dtype)
-        self.m = m_new
+        self.merge(*attend_with_lse(q, k, v, causal=causal_diagonal))
+
+    def merge(self, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+        """Fold in the attention over another set of keys: out_b (b, n, sq, d) with its lse_b (b, n, sq)."""
+        lse_b = lse_b.to(self.lse.dtype)
+        if self.empty:  # the first block is the summary (the formula gives the same, with two more passes)
+            self.out, self.lse, self.empty = out_b.to(self.out.dtype), lse_b, False
+            return
+        lse = torch.logaddexp(self.lse, lse_b)
+        # in place, one pass each: out = exp(lse_old - lse)·out, then += exp(lse_b - lse)·out_b
+        self.out.mul_(torch.exp(self.lse - lse).unsqueeze(-1)).addcmul_(out_b, torch.exp(lse_b - lse).unsqueeze(-1))
+        self.lse = lse
 
     def result(self) -> torch.Tensor:
-        return (self.acc / self.l).to(self.out_dtype)  # (b, n, sq, d)
+        return self.out.to(self.out_dtype)  # (b, n, sq, d)

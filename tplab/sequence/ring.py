@@ -9,13 +9,18 @@ online softmax (online_softmax.py) as it passes by:
         start sending kv to the right, receiving the next block from the left     (nonblocking)
         fold my queries against kv into the online softmax                          (compute)
         wait for the transfer; kv = the block that arrived
-    out = acc / l
+    out = the merged attention of every block
 
 The transfer of the next block is started *before* the compute on the current one, so the two can
 overlap: when one block's attention takes longer than one block's trip, communication is hidden.
 (Whether it really overlaps depends on the transport: host MPI on shared memory moves most bytes
-inside its calls (``test``, ``wait``), and a GPU transport that puts its transfers on the compute stream
-serialises them with the compute; overlap on a GPU needs the transfer on a second stream.)
+inside its calls (``test``, ``wait``). A GPU transport queues its transfers on the caller's current
+stream, where they would wait for the compute queued before them: so on a GPU the transfers go on a
+second stream (streams.py), the compute stream waiting for a block's arrival only when it needs it.)
+
+Each block's attention is one fused kernel that returns the block's log-sum-exp next to its output
+(``attend_with_lse``: FlashAttention on a GPU); the online softmax merges the (out, lse) pairs, so no
+block's (s/p)² scores are written to memory.
 
 Bytes sent per rank: p-1 blocks of 2·b·(s/p)·h_kv·bytes = 2 (p-1)/p · b·s·h_kv·bytes, the same as the
 all-gather (tplab.cost.sequence_parallel), in p-1 messages (k and v travel together).
@@ -39,6 +44,7 @@ from tplab.sequence.allgather_kv import repeat_kv
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.online_softmax import OnlineSoftmax
+from tplab.sequence.streams import SideStream
 
 
 def causal_relation(query_chunk: int, key_chunk: int) -> str:
@@ -76,13 +82,16 @@ def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contigu
         stats.setdefault(key, 0)
 
     kv = torch.stack([k, v]).contiguous()  # (2, b, n_kv, s/p, d): one message per step
+    side = SideStream(kv.device)  # GPU: the transfers' stream; CPU: does nothing
     for step in range(p):
         owner = (rank - step) % p  # whose tokens' keys and values we hold in this step
         if step < p - 1:  # start moving the next block now, so it can travel while we compute
-            incoming = torch.empty_like(kv)
-            transfer = [comm.irecv(incoming, left, tag=step), comm.isend(kv, right, tag=step)]
-            transfer[0].test()  # nudge: MPI starts moving the bytes; a transport that batches nonblocking
-            #                     operations until a wait or test (tplab.comm.nccl) issues them now
+            with side.after_compute(kv):  # (GPU: once kv is ready; queued on the side stream)
+                incoming = torch.empty_like(kv)
+                transfer = [comm.irecv(incoming, left, tag=step), comm.isend(kv, right, tag=step)]
+                transfer[0].test()  # nudge: MPI starts moving the bytes; a transport that batches nonblocking
+                #                     operations until a wait or test (tplab.comm.nccl) issues them now
+            arrived = side.record()
         started = time.perf_counter()
         keys, values = repeat_kv(kv[0], q.shape[1]), repeat_kv(kv[1], q.shape[1])  # (b, n, s/p, d)
         for key_chunk, k_chunk, v_chunk in zip(my_chunks(owner, p, layout), keys.split(length, dim=2),
@@ -96,7 +105,8 @@ def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contigu
         stats["compute_s"] += time.perf_counter() - started
         if step < p - 1:
             started = time.perf_counter()
-            comm.waitall(transfer)
+            comm.waitall(transfer)  # (GPU transports: queued, not done; the next line orders the GPU)
+            side.wait(arrived, incoming)  # the compute stream uses the block only once it has arrived
             stats["wait_s"] += time.perf_counter() - started
             kv = incoming
     return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)

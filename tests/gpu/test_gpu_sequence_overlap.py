@@ -1,0 +1,63 @@
+"""Sequence parallelism's overlapped paths on GPUs. attend_with_lse's fused kernels (FlashAttention in bf16, the
+memory-efficient kernel in float32) against the exact computation, causal masks aligned to the lower right;
+ring attention (its transfers on a side stream) and the all-gather of K/V in head groups (its gathers on a side
+stream), over tplab.comm.nccl, against the unsplit layer on one GPU."""
+
+import warnings
+
+from gputest import require_gpu
+
+require_gpu()
+
+import cupy  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from mpitest import COMM, agree  # noqa: E402
+
+from tplab.comm import nccl_world  # noqa: E402
+from tplab.layers.attend import attend_with_lse  # noqa: E402
+from tplab.sequence import LAYOUTS, SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
+from tplab.sequence.scaling import make_block, make_input  # noqa: E402
+
+P, RANK = COMM.size, COMM.rank
+NCCL = nccl_world()
+torch.cuda.set_device(cupy.cuda.Device().id)  # the GPU NCCL's communicator chose for this rank
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # relative to the largest output
+
+
+def relative_error(got, want) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("s_q, s_k", [(128, 128), (64, 192)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_fused_kernels_give_attention_and_its_log_sum_exp(causal, s_q, s_k, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, s_q, 64, device="cuda", generator=generator).to(dtype)
+    k, v = (torch.randn(2, 2, s_k, 64, device="cuda", generator=generator).to(dtype) for _ in range(2))  # GQA
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # falling back to the exact path warns: here that is a failure
+        out, lse = attend_with_lse(q, k, v, causal=causal)
+    want_out, want_lse = attend_with_lse(q.double(), k.double(), v.double(), causal=causal)  # exact, float64
+    agree(out.dtype == dtype and lse.dtype == torch.float32 and tuple(lse.shape) == (2, 4, s_q),
+          f"{out.dtype} {lse.dtype} {tuple(lse.shape)}")
+    agree(relative_error(out, want_out) < TOLERANCE[dtype], f"out: {relative_error(out, want_out):.2e}")
+    agree(float((lse.double() - want_lse).abs().max()) < 1e-3, f"lse: {(lse.double() - want_lse).abs().max():.2e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_and_head_groups_on_side_streams_equal_the_unsplit_layer(causal, layout, dtype):
+    block = make_block(64, 8, dtype=dtype, seed=0).cuda()  # made on the CPU: the same weights on every rank
+    x = make_input(2, 32 * P, 64, dtype=dtype, seed=1).cuda()  # (b, s, h)
+    with torch.no_grad():
+        expected = shard(unsplit_layer(block, causal=causal)(x), RANK, P, layout)
+        for scheme, options in [("ring", {}), ("allgather_kv", {"head_groups": 4}),
+                                ("allgather_kv", {"head_groups": 8, "algorithm": "builtin"})]:
+            layer = SequenceParallelBlock(block, NCCL, scheme=scheme, layout=layout, causal=causal, **options)
+            for _ in range(3):  # again and again: memory freed on one stream and reused on the other
+                y = layer(shard(x, RANK, P, layout))
+            error = relative_error(y, expected)
+            agree(error < TOLERANCE[dtype], f"{scheme} {options}: {error:.2e}")

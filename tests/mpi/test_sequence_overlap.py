@@ -1,0 +1,127 @@
+"""Overlapped sequence parallelism equals the unsplit computation (float64, ~1e-12): the all-gather of K/V
+in head groups (scheme and layer, forward and backward), ring attention's (out, lse) merges (the online
+softmax in any block order, the layer); bad head_groups is the same ValueError on every rank."""
+
+import pytest
+from mpitest import COMM, agree
+
+torch = pytest.importorskip("torch")
+
+from tplab.comm import world  # noqa: E402
+from tplab.cost import attention_bytes, attention_messages  # noqa: E402
+from tplab.layers.attend import attend  # noqa: E402
+from tplab.models.gpt import Block, GPTConfig  # noqa: E402
+from tplab.sequence import (  # noqa: E402
+    LAYOUTS,
+    SequenceParallelBlock,
+    SequenceParallelError,
+    allgather_kv_attention,
+    shard,
+    unsplit_layer,
+)
+from tplab.sequence.online_softmax import OnlineSoftmax  # noqa: E402
+
+P, RANK = COMM.size, COMM.rank
+C = world(timeout=10)
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+KV_HEADS = 4  # head groups of 1, 2 or 4 K/V heads; 8 query heads (GQA: two per K/V head)
+
+
+def randn(*shape, seed):
+    """The same random float64 tensor on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def qkv(seed, kv_heads=KV_HEADS):
+    b, s, d = 2, 2 * P * 3, 4  # zig-zag: s divisible by 2P
+    return (randn(b, 8, s, d, seed=seed), randn(b, kv_heads, s, d, seed=seed + 1),
+            randn(b, kv_heads, s, d, seed=seed + 2))
+
+
+def mine(t, layout):
+    return shard(t, RANK, P, layout, dim=2)
+
+
+def differs(a, b) -> str:
+    return f"differs by {(a - b).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("head_groups", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_groups_give_full_attention_and_its_gradients_with_the_same_bytes(causal, layout, head_groups):
+    q, k, v = (t.requires_grad_() for t in qkv(seed=0))
+    full = attend(q, k, v, causal=causal)
+    full.pow(2).sum().backward()
+    parts = [mine(t.detach(), layout).requires_grad_() for t in (q, k, v)]
+    C.reset_counters()
+    out = allgather_kv_attention(*parts, C, causal=causal, layout=layout, head_groups=head_groups)
+    agree(torch.allclose(out, mine(full, layout), **TOL), differs(out, mine(full, layout)))
+    b, n, s, d = q.shape
+    bytes_formula = attention_bytes("allgather_kv", b, s, n * d, P, kv_hidden=KV_HEADS * d, bytes_per_element=8)
+    agree(C.bytes_sent == bytes_formula, f"sent {C.bytes_sent} B, formula {bytes_formula} B")
+    agree(C.messages_sent == head_groups * attention_messages("allgather_kv", P),
+          f"{C.messages_sent} messages for {head_groups} groups")  # the same bytes, in G times the messages
+    out.pow(2).sum().backward()
+    for name, whole, part in zip("qkv", (q, k, v), parts):
+        want = mine(whole.grad, layout)
+        agree(torch.allclose(part.grad, want, **TOL), f"d{name} " + differs(part.grad, want))
+
+
+def llama_block():
+    """RoPE (rotations by global positions), GQA, SwiGLU, RMSNorm: every way the layer can be split wrong."""
+    torch.manual_seed(1)  # the same weights on every rank
+    return Block(GPTConfig(n_embd=32, n_head=8, n_kv_head=KV_HEADS, mlp="swiglu", norm="rmsnorm", position="rope",
+                           bias=False, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_layer_with_head_groups_or_the_ring_equals_the_unsplit_layer(causal, layout):
+    block = llama_block()
+    x = randn(2, 4 * P, 32, seed=2)  # (b, s, h)
+    with torch.no_grad():
+        expected = shard(unsplit_layer(block, causal=causal)(x), RANK, P, layout)
+        for scheme, options in [("allgather_kv", {"head_groups": 2}), ("allgather_kv", {"head_groups": 4}),
+                                ("ring", {})]:
+            y = SequenceParallelBlock(block, C, scheme=scheme, layout=layout, causal=causal, **options)(
+                shard(x, RANK, P, layout))
+            agree(torch.allclose(y, expected, **TOL), f"{scheme} {options}: " + differs(y, expected))
+
+
+def test_the_layers_weight_gradients_with_head_groups_sum_to_the_unsplit_ones():
+    """Weights are replicated: each rank's weight gradient covers its tokens; their sum is the full one."""
+    block = llama_block()
+    x = randn(2, 4 * P, 32, seed=3).requires_grad_()
+    block(x).pow(2).sum().backward()
+    full = {name: w.grad.clone() for name, w in block.named_parameters()}
+    block.zero_grad()
+    x_mine = shard(x.detach(), RANK, P, "zigzag").requires_grad_()
+    SequenceParallelBlock(block, C, layout="zigzag", head_groups=4)(x_mine).pow(2).sum().backward()
+    agree(torch.allclose(x_mine.grad, shard(x.grad, RANK, P, "zigzag"), **TOL), "dx differs")
+    for name, w in block.named_parameters():
+        summed = torch.from_numpy(COMM.allreduce(w.grad.numpy()))
+        agree(torch.allclose(summed, full[name], **TOL), f"{name}: summed gradient " + differs(summed, full[name]))
+
+
+@pytest.mark.parametrize("head_groups", [0, -2, 3, 2.0, True])
+def test_bad_head_groups_is_the_same_value_error_on_every_rank(head_groups):
+    q, k, v = (mine(t, "contiguous") for t in qkv(seed=4))
+    layer = SequenceParallelBlock(llama_block(), C, head_groups=head_groups)
+    for attempt in (lambda: allgather_kv_attention(q, k, v, C, head_groups=head_groups),
+                    lambda: layer(randn(1, 2, 32, seed=5))):
+        with pytest.raises(ValueError, match=f"head_groups={head_groups!r}: the 4 key/value heads must split"):
+            attempt()
+    agree(issubclass(SequenceParallelError, ValueError))
+
+
+def test_the_online_softmax_of_blocks_in_any_order_is_full_attention():
+    """The teaching object on its own (no ranks): the keys in three blocks, folded in two orders."""
+    q, k, v = qkv(seed=6, kv_heads=8)
+    blocks = [(k[:, :, i:i + 4], v[:, :, i:i + 4]) for i in range(0, k.shape[2], 4)]
+    full = attend(q, k, v, causal=False)
+    for order in (blocks, blocks[::-1]):
+        softmax = OnlineSoftmax(q)
+        for k_block, v_block in order:
+            softmax.update(q, k_block, v_block)
+        agree(torch.allclose(softmax.result(), full, **TOL), differs(softmax.result(), full))
