@@ -10,6 +10,7 @@ returns the Figure; the notebook saves and shows it.
     pipeline_bubbles(ref, ranks)              07: the measured bubble against the two formulas, per layout
     strategies_gantt(intervals, names, p)     07: what every rank ran under each of up to three strategies
     allreduce_time_parts(parts, after, before) 03: a small GPU all-reduce's time, the agreement's share, the anchors
+    two_shot_pushes(parts)                    03: two_shot pulling its results against pushing them
 """
 
 from __future__ import annotations
@@ -155,25 +156,29 @@ def strategies_gantt(intervals, names, p):
 def allreduce_time_parts(parts, after=None, before=None):
     """Where a small GPU all-reduce's time went (CUDA-graph replays, gpu_allreduce_time_parts_*.csv). Left, on
     2 GPUs: one_shot_ll alone, and with the ranks' argument agreement sent as flag-and-release or as tagged
-    lines; the agreement alone and an empty kernel as levels. Right, on 4 GPUs: tplab's one-shots now (solid)
+    lines, and with every peer's lines read at once and programmatic launch (a later run on another 2-GPU
+    machine); the agreement alone and an empty kernel as levels. Right, on 4 GPUs: tplab's one-shots now (solid)
     and before (``before``: a frontier run's graph rows, dashed) against NCCL's symmetric kernels and torch's
     symmetric-memory two-shot of the same run (``after``)."""
     fig, (left, right) = _row(2, height=4.2)
     two = parts[parts.ranks == 2]
     ll = color_of("one_shot_ll")
-    for stage, style in (("agreement by release flags", "--"), ("agreement by tagged lines", "-")):
+    for stage, style in (("agreement by release flags", "--"), ("agreement by tagged lines", "-"),
+                         ("and programmatic launch", "-.")):
         rows = two[(two.stage == stage) & (two.kernel == "one_shot_ll") & two.agreement].sort_values("size")
         left.plot(rows["size"], rows.graph_us, style, marker="o", color=ll, label=f"one_shot_ll, {stage}")
         alone = two[(two.stage == stage) & (two.kernel == "agree_only")].graph_us
         if len(alone):
-            left.axhline(alone.iloc[0], ls=style, color="0.45", lw=1, label=f"the agreement alone, {stage[13:]}")
+            left.axhline(alone.iloc[0], ls=style, color="0.45", lw=1,
+                         label=f"the agreement alone, {stage.removeprefix('agreement by ')}")
     kernel_alone = two[(two.stage == "agreement by tagged lines") & (two.kernel == "one_shot_ll") & ~two.agreement]
     kernel_alone = kernel_alone.sort_values("size")
     left.plot(kernel_alone["size"], kernel_alone.graph_us, ":", marker=".", color=ll, label="one_shot_ll, no agreement")
     empty = two[two.kernel == "empty kernel"].graph_us
     if len(empty):
         left.axhline(empty.iloc[0], color="0.75", lw=1, label="an empty kernel")
-    left.set(title="2 GPUs: what the argument agreement costs", ylim=(0, 1.5 * two.graph_us.max()))
+    shown = two[two.kernel.isin(["one_shot_ll", "agree_only", "empty kernel"])].graph_us
+    left.set(title="2 GPUs: what the argument agreement costs", ylim=(0, 1.5 * shown.max()))
     four = parts[(parts.ranks == 4) & (parts.stage == parts[parts.ranks == 4].stage.iloc[-1]) & parts.agreement]
     for kernel in ("one_shot", "one_shot_ll"):
         rows = four[four.kernel == kernel].sort_values("size")
@@ -192,4 +197,24 @@ def allreduce_time_parts(parts, after=None, before=None):
         ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
+    return fig
+
+
+def two_shot_pushes(parts):
+    """two_shot on 2 GPUs from CUDA graphs (gpu_allreduce_time_parts_*.csv, one run): pulling the results
+    (three barriers) against pushing them (two), and with programmatic launch; one_shot of the same run."""
+    fig, (ax,) = _row(1, width=7.0, height=4.0)
+    two = parts[(parts.ranks == 2) & parts.agreement]
+    for stage, style, what in (("tagged lines, same run as the next", "--", "pull the results, 3 barriers"),
+                               ("lines read at once, no fences", "-", "push the results, 2 barriers"),
+                               ("and programmatic launch", "-.", "push, programmatic launch")):
+        for kernel in ("two_shot", "one_shot"):
+            rows = two[(two.stage == stage) & (two.kernel == kernel)].sort_values("size")
+            if len(rows) and (kernel == "two_shot" or style == "--"):
+                label = f"two_shot: {what}" if kernel == "two_shot" else "one_shot (the same run)"
+                ax.plot(rows["size"], rows.graph_us, style, marker="o", color=color_of(kernel), label=label)
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title="2 GPUs: two_shot before and after")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     return fig
