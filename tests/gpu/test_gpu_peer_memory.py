@@ -85,10 +85,11 @@ def test_in_place_on_the_shared_buffer(algorithm):
     agree(close(buf.astype(cupy.float64), want, NCCL.builtin_allreduce(cupy.abs(values)), "float32"), algorithm)
 
 
-@pytest.mark.parametrize("count", [8200, 16000, 16384])
-def test_two_shot_in_rounds(count):
+@pytest.mark.parametrize("share", [0.5, 0.8, 1.0])
+def test_two_shot_in_rounds(share):
     """Inputs larger than half the buffer go through two_shot in rounds (its partial sums and results each
     fill half): out of place, in place, and replayed from a CUDA graph between other algorithms."""
+    count = int(share * SMALL_PEERS.nbytes // 4) // 4 * 4 + (4 if share == 0.5 else 0)  # (0.5: just over half)
     x, values = inputs("float32", count)
     want = NCCL.builtin_allreduce(values)
     scale = NCCL.builtin_allreduce(cupy.abs(values))
@@ -111,27 +112,57 @@ def test_two_shot_in_rounds(count):
     agree(bool((out[100:] == got[100:]).all()), "replayed in rounds differs")
 
 
-def test_back_to_back_launches_see_each_others_writes():
-    """The persistent launches start while the kernel before them ends (programmatic dependent launch on
-    Hopper): each must still see what that kernel wrote, and the next must see its result. Calls back to
-    back, no host wait, the input changed and the output read by CuPy's kernels in between."""
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_back_to_back_launches_see_each_others_writes(graph):
+    """In a CUDA graph the persistent launches start while the kernel before them ends (programmatic
+    dependent launch on Hopper): each must still see what that kernel wrote, and the next must see its
+    result. Calls back to back, no host wait, the input changed and the output read by CuPy's kernels in
+    between (CuPy's kernels are launched the plain way)."""
     x, values = inputs("float32", 3000)
     algorithms = ["one_shot_ll", "two_shot", "ring", "one_shot", "one_shot_ll", "two_shot", "one_shot_ll"]
     outs = [cupy.zeros_like(x) for _ in algorithms]
     runs = [PEERS.allreduce_init(x, out, algorithm) for out, algorithm in zip(outs, algorithms)]
-    for run, out in zip(runs, outs):
-        x += 1
-        run()
-        out *= 2
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        if graph:
+            stream.begin_capture()
+        for run, out in zip(runs, outs):
+            x += 1
+            run()
+            out *= 2
+        if graph:
+            stream.end_capture().launch(stream)
+        stream.synchronize()
     for k, (algorithm, out) in enumerate(zip(algorithms, outs)):
         want = 2 * NCCL.builtin_allreduce(values + k + 1)
         agree(close(out.astype(cupy.float64), want, 2 * NCCL.builtin_allreduce(cupy.abs(values + k + 1)), "float32"),
               f"call {k}: {algorithm}")
 
 
+def test_signature_zero_meets_before_it_writes():
+    """A call that agreed before ("agreed already", signature 0, no agreement of its own) still meets its
+    peers before it writes into their buffers: a small two_shot, then a larger one and a ring that would
+    write where a slower peer still copies the small one's results out, back to back, many times."""
+    small, big = inputs("float32", 64), inputs("float32", 60000)
+    outs = [cupy.zeros_like(small[0]), cupy.zeros_like(big[0]), cupy.zeros_like(big[0])]
+    runs = [PEERS.allreduce_init(small[0], outs[0], "two_shot", sig=0),
+            PEERS.allreduce_init(big[0], outs[1], "two_shot", sig=0),
+            PEERS.allreduce_init(big[0], outs[2], "ring", sig=0)]
+    copies = []
+    for _ in range(20):  # (no host wait, no other call in between: copies of the results on the same stream)
+        for run in runs:
+            run()
+        copies.append([out.copy() for out in outs])
+    wants = [NCCL.builtin_allreduce(v) for v in (small[1], big[1], big[1])]
+    scales = [NCCL.builtin_allreduce(cupy.abs(v)) for v in (small[1], big[1], big[1])]
+    wrong = sum(not close(got.astype(cupy.float64), want, scale, "float32")
+                for results in copies for got, want, scale in zip(results, wants, scales))
+    agree(wrong == 0, f"signature 0: {wrong} of {3 * len(copies)} results wrong")
+
+
 def test_algorithms_in_any_order():
     """Each algorithm leaves the flags and buffers fit for any other next (one_shot's own double buffer,
-    the end barriers of the others): a random sequence of all of them, each checked."""
+    every call's meeting before it writes into a peer): a random sequence of all of them, each checked."""
     rng = np.random.default_rng(7)  # the same sequence on every rank
     for step in range(40):
         algorithm = ["one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull"][rng.integers(6)]
@@ -229,8 +260,10 @@ def test_bad_arguments_raise_on_every_rank():
                     NCCL.builtin_allreduce(cupy.abs(values)), "float32"), "one_shot_ll after two mismatches")
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
-    with pytest.raises(ValueError, match="out may be the shared buffer only"):
+    with pytest.raises(ValueError, match="out may lie in the shared buffer only"):
         PEERS.allreduce(cupy.zeros(8, dtype="float32"), "two_shot", out=PEERS.buffer(8))
+    with pytest.raises(ValueError, match="x may lie in the shared buffer only from its start"):
+        PEERS.allreduce(PEERS.buffer(16, "float32")[4:], "two_shot")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int16", "float64"])

@@ -111,6 +111,8 @@ __device__ __forceinline__ void after_previous_kernel() {
 #endif
 }
 
+extern "C" __global__ void pdl_probe() { after_previous_kernel(); }   // (programmatic_launch.works_here)
+
 // ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
 // Block 0 of every rank sends every peer's block 0 a line holding a 64-bit signature of its arguments
 // (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
@@ -475,8 +477,10 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
 //     barrier(all)
 //     for q != r: out chunk q = result slot q                                         (my own memory)
 // No barrier at the end: a peer writes into my partial slots again only after a barrier I pass once I
-// have summed them, and into my result slots only after the next round's (or call's agreement's) first
-// meeting, which I reach once I have copied them out. Chunk r is summed once, by rank r.
+// have summed them, and into my result slots only after the next round's first barrier, which I reach once I
+// have copied them out. The next call must start with a meeting before it writes into a peer: its agreement
+// (every kernel's, or agree_only's just before it on the stream). Signature 0 ("agreed already") does not
+// say when, so the kernel then meets its peers first. Chunk r is summed once, by rank r.
 template <typename T>
 __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                          unsigned int* epochs, int rank, int p, long long chunk, long long packs,
@@ -484,6 +488,7 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     after_previous_kernel();
     AGREE_OR_RETURN();
     const unsigned int all = (1u << p) - 1;
+    if (sig == 0) barrier(flags, epochs, rank, all);        // (agreed before, maybe long before: see below)
     const long long round_packs = (long long)p * chunk;
     uint4* partial = bufs[rank];
     uint4* result = bufs[rank] + round_packs;
@@ -629,7 +634,8 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
     AGREE_OR_RETURN();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
-    const uint4* slot = bufs[rank];
+    if (sig == 0) barrier(flags, epochs, rank, neighbours);  // (the right neighbour has left its last call:
+    const uint4* slot = bufs[rank];                          //  a two_shot's results may still be read there)
     uint4* to_right = bufs[right];
 #define CHUNK_RANGE(c, f, l) const long long f = (long long)(c) * chunk, l = lmin(f + chunk, packs)
     for (int s = 0; s < p - 1; s++) {                            // reduce-scatter: add, pass on

@@ -150,7 +150,8 @@ class AllreducePlan:
         else:  # the kernel's pointers are replaced on every call: any arrays of the right size hold the place
             placeholders = (peers.peer_buffer(peers.rank, padded), peers.peer_buffer(peers.rank, padded))
         kernel, blocks, threads, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
-        self.launch = fast_launcher(kernel, blocks, threads, args) or _cupy_launcher(kernel, blocks, threads, args)
+        self.launch = (fast_launcher(kernel, blocks, threads, args, programmatic=peers.programmatic)
+                       or _cupy_launcher(kernel, blocks, threads, args))
         self.checked, self.status = False, peers.status
         if self.torch:  # (bound once: an import statement per call is measurable at these latencies)
             import torch

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tplab.gpu_collectives.programmatic_launch import launch as launch_programmatic
+from tplab.gpu_collectives.programmatic_launch import launch_config, works_here
+
 PACK = 16                   # bytes per vector load/store
 LINE_PACKS = 8              # chunks are whole 128-byte cache lines
 
@@ -33,7 +36,8 @@ def _module():
     import cupy
 
     templates = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
-    names = ["flag_barrier", "allgather", "alltoall", "agree_only"] + [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
+    names = ["flag_barrier", "allgather", "alltoall", "agree_only", "pdl_probe"]
+    names += [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     source = Path(__file__).with_name("peer_allreduce.cu").read_text()
     return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
 
@@ -87,44 +91,17 @@ def libcuda():
     if hasattr(lib, "cuLaunchKernelEx"):                          # (CUDA 12 and later)
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+    lib.cuFuncGetAttribute.restype = ctypes.c_int
+    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CUlaunchAttributeID in cuda.h
-
-
-def _launch_config(blocks: int, threads: int):
-    """cuLaunchKernelEx's CUlaunchConfig for ``blocks`` x ``threads``, with programmatic dependent launch
-    allowed (the kernel may start while the previous kernel of its stream ends: peer_allreduce.cu's
-    after_previous_kernel). The caller sets ``.stream``."""
-    import ctypes
-
-    class Attribute(ctypes.Structure):            # CUlaunchAttribute: an id, then a 64-byte union
-        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("allowed", ctypes.c_int),
-                    ("rest", ctypes.c_char * 60)]
-
-    class Config(ctypes.Structure):               # CUlaunchConfig
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                    ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(Attribute)),
-                    ("count", ctypes.c_uint)]
-
-    attribute = Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, allowed=1)
-    config = Config(grid=(blocks, 1, 1), block=(threads, 1, 1), shared=0, attributes=ctypes.pointer(attribute),
-                    count=1)
-    config.keep_alive = attribute
-    return config
-
-
-def programmatic_launch_wanted() -> bool:
-    """Launch the all-reduce kernels with programmatic dependent launch where the GPU has it (compute
-    capability 9.0 and later) and the driver has cuLaunchKernelEx; TPLAB_PROGRAMMATIC_LAUNCH=0 turns it off."""
-    import os
-
+def programmatic_launch_works() -> bool:
+    """Whether this process's kernels may be launched with programmatic dependent launch on the current GPU
+    (programmatic_launch.works_here, asked once): PeerMemory asks when it is made, never during a capture."""
     import cupy
 
-    if os.environ.get("TPLAB_PROGRAMMATIC_LAUNCH", "1") == "0" or libcuda() is None:
-        return False
-    return hasattr(libcuda(), "cuLaunchKernelEx") and int(cupy.cuda.Device().compute_capability) >= 90
+    return works_here(libcuda(), kernel("pdl_probe").kernel.ptr, cupy.cuda.Device().id)
 
 
 def cupy_launch_kernel():
@@ -139,12 +116,12 @@ def cupy_launch_kernel():
     return None
 
 
-def fast_launcher(function, blocks: int, threads: int, args):
+def fast_launcher(function, blocks: int, threads: int, args, *, programmatic: bool = False):
     """A launch of ``function`` with ``args`` packed once, straight through the driver's cuLaunchKernel:
     CuPy's binding of it (compiled; a ctypes call where it is missing) -- several microseconds less host
     time per call than CuPy's general launcher, which is most of one_shot's eager latency. While a CUDA
-    graph is being captured, cuLaunchKernelEx with programmatic dependent launch where it is wanted
-    (programmatic_launch_wanted): 0.2-0.5 µs less per call in a graph on 2x H100, but a ctypes call costs
+    graph is being captured and ``programmatic`` (programmatic_launch_works), cuLaunchKernelEx with
+    programmatic dependent launch: 0.2-0.5 µs less per call in a graph on 2x H100, but a ctypes call costs
     about a microsecond more host time than CuPy's, which is what eager calls wait for. None where
     neither launch is available."""
     import ctypes
@@ -177,10 +154,8 @@ def fast_launcher(function, blocks: int, threads: int, args):
         driver_launch(handle, blocks, 1, 1, threads, 1, 1, 0, get_stream().ptr if stream is None else stream,
                       params_address, 0)  # (raises on error)
 
-    if programmatic_launch_wanted():
-        config = _launch_config(blocks, threads)
-        config_address, launch_ex, plain = ctypes.addressof(config), lib.cuLaunchKernelEx, launch
-        capturing = cupy.cuda.runtime.streamIsCapturing
+    if programmatic and lib is not None:
+        config, plain, capturing = launch_config(blocks, threads), launch, cupy.cuda.runtime.streamIsCapturing
 
         def launch(source=None, target=None, stream=None):  # (the same, overlapping the last kernel)
             stream = get_stream().ptr if stream is None else stream
@@ -189,9 +164,7 @@ def fast_launcher(function, blocks: int, threads: int, args):
             if source is not None:
                 values[0].value, values[1].value = source, target
             config.stream = stream
-            error = launch_ex(config_address, handle, params_address, None)
-            if error:
-                raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {error}")
+            launch_programmatic(lib, config, handle, params_address)
         launch.keep_alive = (values, params, args, config)
         return launch
 

@@ -39,7 +39,8 @@ import ctypes
 import numpy as np
 
 from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
-from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, raw_bytes, type_name, whole_packs)
+from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, programmatic_launch_works,
+                                                raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
 
 ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
@@ -98,7 +99,8 @@ class PeerMemory:
         if len(set(mpi_comm.allgather((self.nbytes, self.small)))) != 1:  # (kernels write into peers' areas)
             raise ValueError("PeerMemory: every rank must pass the same max_bytes")
         flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES
-        self._own = [rt.malloc(self.nbytes + 2 * self.small + ll_area), rt.malloc(flag_bytes)]  # (IPC exports
+        self._shared_bytes = self.nbytes + 2 * self.small + ll_area
+        self._own = [rt.malloc(self._shared_bytes), rt.malloc(flag_bytes)]                      # (IPC exports
         rt.memset(self._own[1], 0, flag_bytes)                                                     #  whole allocations)
         rt.memset(self._own[0] + self.nbytes + 2 * self.small, 0, ll_area)   # flags 0: no call's yet
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
@@ -123,6 +125,7 @@ class PeerMemory:
         self._data, self._flags = data, flags
         self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
         self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
+        self.programmatic = programmatic_launch_works()       # graphs: the next kernel starts as this one ends
         self.table = list(DEFAULT_TABLE)                      # (bytes per rank up to, algorithm) for "auto"
         self.everyone = np.uint32((1 << self.size) - 1)       # the bit mask of all ranks, for barrier()
         cupy.cuda.Device().synchronize()
@@ -209,6 +212,10 @@ class PeerMemory:
     def _is_buffer(self, a) -> bool:
         return a.data.ptr == self._own[0]
 
+    def _in_buffer(self, a) -> bool:
+        """Whether ``a`` overlaps this rank's shared memory, where the peers write."""
+        return a.data.ptr < self._own[0] + self._shared_bytes and self._own[0] < a.data.ptr + max(a.nbytes, 1)
+
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def limit(self, algorithm: str) -> int:
         """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own)."""
@@ -260,6 +267,9 @@ class PeerMemory:
         arguments packed once (CuPy's launcher otherwise)."""
         import cupy
 
+        problem = _problem(self, x, algorithm, out, bf16)
+        if problem:
+            self.refuse(problem)
         sig = self.signature_of(x, algorithm, bf16) if sig is None else sig
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
@@ -273,7 +283,7 @@ class PeerMemory:
         element = "bf16_bits" if bf16 else type_name(x.dtype)
         launch, blocks, threads, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
-            return ((fast and fast_launcher(launch, blocks, threads, args))
+            return ((fast and fast_launcher(launch, blocks, threads, args, programmatic=self.programmatic))
                     or (lambda: launch((blocks,), (threads,), args)))
 
         def padded():                                  # odd sizes or misaligned views: through copies
@@ -453,8 +463,10 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return "peer all-reduce needs contiguous arrays"
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
         return f"out is {out.shape} {out.dtype}, x is {x.shape} {x.dtype}"
-    if out is not None and pm._is_buffer(out) and not pm._is_buffer(x):   # (the kernels' own slots lie there)
-        return "out may be the shared buffer only when x is it too (in place)"
+    if pm._in_buffer(x) and not pm._is_buffer(x):          # (the peers write into the rest of it)
+        return "x may lie in the shared buffer only from its start (PeerMemory.buffer)"
+    if out is not None and pm._in_buffer(out) and not (pm._is_buffer(out) and pm._is_buffer(x)):
+        return "out may lie in the shared buffer only as x itself, in place (PeerMemory.buffer)"
     if x.device.id != pm.device:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
     chosen = pm.choose(x.nbytes) if algorithm == "auto" else algorithm

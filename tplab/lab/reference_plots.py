@@ -6,6 +6,7 @@ returns the Figure; the notebook saves and shows it.
     models_at(d, dtype)                       04: a Llama-shaped model's forward pass and generation against TP degree
     sp_strong_scaling(strong, project, dtypes) 05: the layer's speedup on p GPUs, per path and scheme
     sp_components(parts)                      05: one all-gather's pieces (staged vs direct)
+    sp_before_after(before, after, dtype)     05: the layer's speedup per scheme and path, two runs
     speedup_over_round_robin(speedup, ranks)  07: each strategy's makespan gain, one panel per TP degree
     pipeline_bubbles(ref, ranks)              07: the measured bubble against the two formulas, per layout
     strategies_gantt(intervals, names, p)     07: what every rank ran under each of up to three strategies
@@ -94,6 +95,30 @@ def sp_components(parts, suptitle=None):
     ax.legend(fontsize=8)
     if suptitle:
         set_suptitle(fig, suptitle)
+    return fig
+
+
+def sp_before_after(before, after, dtype="bfloat16"):
+    """Strong scaling at the largest p of each run, in ``dtype``: the layer's speedup over one GPU per scheme
+    and path, in a run ``before`` a change (faint) and one ``after`` it (rows of gpu_sequence_parallel.py's
+    CSV, each with its own one-GPU time); the grey line is p, every GPU busy and nothing exposed."""
+    fig, (ax,) = _row(1, width=8.5, height=4.6)
+    labels, p = [], 1
+    for when, frame, alpha in (("before", before, 0.45), ("after", after, 1.0)):
+        layer = frame[(frame.kind == "layer") & (frame.dtype == dtype) & (frame["mode"] == "strong")]
+        layer = layer[layer.p == layer.p.max()].drop_duplicates(["scheme", "path"], keep="last")
+        layer = layer[~layer.path.str.startswith("staged")].sort_values(["scheme", "path"])
+        p = max(p, int(layer.p.max()))
+        for row in layer.itertuples():
+            ax.barh(len(labels), row.speedup, color=color_of(row.scheme), alpha=alpha)
+            ax.text(row.speedup, len(labels), f" {row.speedup:.2f}x", va="center", fontsize=8)
+            labels.append(f"{row.scheme} / {row.path}, {when}")
+    ax.axvline(p, color="0.5", lw=1)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"speedup over the layer on one GPU ({dtype})", xlim=(0, p * 1.15),
+           title=f"the layer on {p} GPUs, before and after")
+    ax.grid(alpha=0.3, axis="x")
     return fig
 
 
