@@ -59,6 +59,8 @@ def main():
     cupy.cuda.Device(WORLD.rank % cupy.cuda.runtime.getDeviceCount()).use()
     peers = PeerMemory(WORLD, 64 << 20)
     card = cupy.cuda.runtime.getDeviceProperties(peers.device)["name"].decode()
+    if WORLD.rank == 0:
+        print(f"programmatic dependent launch in graphs: {'yes' if peers.programmatic else 'no'}", flush=True)
     empty = cupy.RawKernel(r'extern "C" __global__ void empty() {}', "empty")
     rows = []
 
