@@ -119,7 +119,7 @@ def namespaces_work() -> tuple[bool, str]:
         check_can_run()
     except NodesError as e:
         return False, str(e)
-    probe = f"{PREFIX}-probe"
+    probe = f"{PREFIX}-probe-{os.getpid()}"  # (a name of its own: two processes may ask at once)
     proc = run("ip", "netns", "add", probe, check=False)
     run("ip", "netns", "del", probe, check=False)
     return (True, "") if proc.returncode == 0 else (False, f"`ip netns add` fails here: {proc.stderr.strip()}")
