@@ -77,13 +77,20 @@ def test_peer_memory_auto_table_picks_by_size():
     table measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
     from types import SimpleNamespace
 
-    from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, PeerMemory
+    from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, TABLE_FOR_RANKS, PeerMemory
 
-    pm = SimpleNamespace(table=list(DEFAULT_TABLE))
+    pm = SimpleNamespace(table=list(DEFAULT_TABLE), limit=lambda algorithm: 1 << 62)
     assert [PeerMemory.choose(pm, n) for n in (1024, 64 << 10, 256 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] \
         == ["one_shot_ll", "one_shot_ll", "one_shot", "two_shot", "two_shot", "ring"]
     pm.table = [(4096, "ring"), (1 << 20, "two_shot")]
     assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
+    pm.table = list(TABLE_FOR_RANKS[2])  # two ranks: the one-shots longer
+    assert [PeerMemory.choose(pm, n) for n in (256 << 10, 4 << 20, (4 << 20) + 16)] == \
+        ["one_shot_ll", "one_shot", "two_shot"]
+    pm.limit = lambda algorithm: 2048 if algorithm.startswith("one_shot") else 1 << 62  # small one-shot areas
+    assert [PeerMemory.choose(pm, n) for n in (2048, 4096)] == ["one_shot_ll", "two_shot"]
+    pm.table = [(1 << 20, "one_shot")]
+    assert PeerMemory.choose(pm, 1 << 21) == "two_shot"  # past the table, and past the one-shot's area
 
 
 @given(packs=st.integers(1, 1 << 26), p=st.integers(2, 8), lines=st.integers(1, 1 << 16))

@@ -61,6 +61,10 @@ LL_THREADS = 128            # one_shot_ll: more, smaller blocks -- its pushes ar
 # two_shot to 16 MiB, the ring beyond); tune() measures it again on the machine at hand (at p = 2 the
 # one-shots win up to larger sizes).
 DEFAULT_TABLE = ((64 << 10, "one_shot_ll"), (256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# On 2 GPUs a one-shot reads (or writes) as many bytes as two_shot moves and synchronises once: measured on
+# 2x H100 (data/gpu_frontier_2x-h100_small-messages.csv, _256MiB.csv), one_shot_ll to 256 KiB, one_shot to
+# 4 MiB, two_shot beyond (at 256 MiB ahead of the ring).
+TABLE_FOR_RANKS = {2: ((256 << 10, "one_shot_ll"), (4 << 20, "one_shot"), (1 << 62, "two_shot"))}
 
 
 class PeerMemory:
@@ -126,7 +130,7 @@ class PeerMemory:
         self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
         self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
         self.programmatic = programmatic_launch_works()       # graphs: the next kernel starts as this one ends
-        self.table = list(DEFAULT_TABLE)                      # (bytes per rank up to, algorithm) for "auto"
+        self.table = list(TABLE_FOR_RANKS.get(self.size, DEFAULT_TABLE))  # (bytes per rank up to, algorithm)
         self.everyone = np.uint32((1 << self.size) - 1)       # the bit mask of all ranks, for barrier()
         cupy.cuda.Device().synchronize()
         mpi_comm.Barrier()                                    # every flag array is zero before any kernel
@@ -223,11 +227,13 @@ class PeerMemory:
 
     def choose(self, nbytes: int) -> str:
         """What "auto" runs for ``nbytes`` per rank: the fastest measured at the nearest size at or above
-        (``tune`` measures them here; until then, the switch points measured on 4x H100)."""
+        that its area takes (``tune`` measures them here; until then, the switch points measured on 4x H100,
+        or on 2x H100 for two ranks)."""
         for upper, algorithm in self.table:
-            if nbytes <= upper:
+            if nbytes <= upper and nbytes <= self.limit(algorithm):   # (the one-shots' areas may be smaller)
                 return algorithm
-        return self.table[-1][1] if self.table else "two_shot"
+        last = self.table[-1][1] if self.table else "two_shot"
+        return last if nbytes <= self.limit(last) else "two_shot"
 
     def allreduce(self, x, algorithm: str = "auto", out=None, *, bf16: bool = False, check: bool = True,
                   agreed: bool = False):
