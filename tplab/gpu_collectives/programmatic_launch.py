@@ -55,7 +55,7 @@ def launch(lib, config: _Config, function: int, params: int) -> None:
 def works_here(lib, probe: int, device: int) -> bool:
     """Whether kernels launched on GPU ``device`` (the current one) may ask for programmatic dependent launch
     (see the module's docstring); ``lib``: libcuda through ctypes, ``probe``: a kernel (CUfunction) of the
-    module that starts with the wait."""
+    module that starts with the wait. (``lib``'s argument types are peer_kernels.libcuda's.)"""
     import cupy
 
     if os.environ.get("TPLAB_PROGRAMMATIC_LAUNCH", "1") == "0" or lib is None or not hasattr(lib, "cuLaunchKernelEx"):
@@ -66,7 +66,6 @@ def works_here(lib, probe: int, device: int) -> bool:
     if lib.cuFuncGetAttribute(ctypes.byref(version), FUNC_ATTRIBUTE_PTX_VERSION, ctypes.c_void_p(probe)) \
             or version.value < 90:
         return False
-    lib.cuLaunchKernelEx.restype, lib.cuLaunchKernelEx.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
     stream, scratch = cupy.cuda.Stream(non_blocking=True), cupy.zeros(16, cupy.uint8)
     config, no_arguments = launch_config(1, 32), (ctypes.c_void_p * 1)()
     config.stream = stream.ptr

@@ -230,14 +230,14 @@ def two_shot_pushes(parts):
     (three barriers) against pushing them (two), and with programmatic launch; one_shot of the same run."""
     fig, (ax,) = _row(1, width=7.0, height=4.0)
     two = parts[(parts.ranks == 2) & parts.agreement]
-    for stage, style, what in (("tagged lines, same run as the next", "--", "pull the results, 3 barriers"),
+    first = "tagged lines, same run as the next"
+    for stage, style, what in ((first, "--", "pull the results, 3 barriers"),
                                ("lines read at once, no fences", "-", "push the results, 2 barriers"),
                                ("and programmatic launch", "-.", "push, programmatic launch")):
-        for kernel in ("two_shot", "one_shot"):
-            rows = two[(two.stage == stage) & (two.kernel == kernel)].sort_values("size")
-            if len(rows) and (kernel == "two_shot" or style == "--"):
-                label = f"two_shot: {what}" if kernel == "two_shot" else "one_shot (the same run)"
-                ax.plot(rows["size"], rows.graph_us, style, marker="o", color=color_of(kernel), label=label)
+        rows = two[(two.stage == stage) & (two.kernel == "two_shot")].sort_values("size")
+        ax.plot(rows["size"], rows.graph_us, style, marker="o", color=color_of("two_shot"), label=f"two_shot: {what}")
+    rows = two[(two.stage == first) & (two.kernel == "one_shot")].sort_values("size")
+    ax.plot(rows["size"], rows.graph_us, "--", marker="o", color=color_of("one_shot"), label="one_shot (the same run)")
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
            title="2 GPUs: two_shot before and after")
     ax.grid(alpha=0.3, which="both")
