@@ -12,6 +12,8 @@ GPUs share (CUDA IPC over NVLink).
     peer_comm.py        PeerMemoryComm: a Communicator (NCCL inside) whose own all-reduce is the kernels,
                         with per-kind-of-tensor plans: tplab.allreduce at the kernel's cost
     copy_engine.py      CopyEngineComm: an all-reduce whose bytes move by the copy engines (no SMs)
+    copy_engine_exchange.py  CopyEngineExchange: token shards pulled and partial sums pushed by the copy
+                        engines, for GEMMs that consume them as they land (tplab.overlap.async_tp)
 
 CuPy is imported only when one of them is made.
 """

@@ -20,6 +20,9 @@
     metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts
                           (optionally timed as CUDA graph replays: captured); pipeline_model
     experiments.py        notebook 06's experiments on a small TP block (run on every rank)
+    shard_exchange.py     moving token shards under GEMMs: MessageExchange (point-to-point), NullExchange
+    async_tp.py           AsyncTPBlock: a block on sequence shards whose all-gathers and reduce-scatters move
+                          shard by shard under its GEMMs (async tensor parallelism; forward only)
 
     h = iallreduce(x, comm, algorithm="ring"); ...compute...; y = h.wait()
     fast = overlapped(parallel_mlp, chunks=4)          # equal to parallel_mlp(x) to rounding

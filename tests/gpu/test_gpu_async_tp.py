@@ -1,0 +1,97 @@
+"""Async tensor parallelism on GPUs (tplab.overlap.async_tp through the copy engines,
+tplab.gpu_collectives.copy_engine_exchange): the block on sequence shards equals the plain block's rows
+(float64 ~1e-12; bf16 to its rounding), call after call (the exchange's halves alternate), in a stack;
+the exchange alone gathers every shard and sums every scatter; bad input is an error on every rank."""
+
+from gputest import require_gpu
+
+require_gpu()
+
+import cupy  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from mpitest import COMM, agree  # noqa: E402
+
+from tplab.collectives import CollectiveArgumentError  # noqa: E402
+from tplab.comm import nccl_world  # noqa: E402
+from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange  # noqa: E402
+from tplab.models import GPT, GPTConfig  # noqa: E402
+from tplab.models.parallel import ParallelBlock  # noqa: E402
+from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
+
+P, R = COMM.size, COMM.rank
+NCCL = nccl_world()
+torch.cuda.set_device(cupy.cuda.Device().id)
+DEVICE = torch.device("cuda", torch.cuda.current_device())
+SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
+EXCHANGE = CopyEngineExchange(COMM, SEQ // P * BATCH * HIDDEN * 8)   # one float64 shard
+
+
+def block(seed=0, dtype=torch.float64, **config):
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=8, n_layer=1, n_head=2 * P, n_embd=HIDDEN, block_size=SEQ) | config
+    return ParallelBlock(GPT(GPTConfig(**settings)).to(dtype).blocks[0], NCCL).to(DEVICE)
+
+
+def whole_input(seed, dtype=torch.float64):
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("config", [{}, {"n_kv_head": 1, "position": "rope", "mlp": "swiglu", "norm": "rmsnorm",
+                                         "bias": False}], ids=["gpt", "llama-like"])
+def test_block_on_shards_equals_the_plain_block_call_after_call(config):
+    plain = block(**config)
+    fast = AsyncTPBlock(plain, EXCHANGE)
+    with torch.no_grad():
+        for seed in range(5):   # odd and even calls: both halves of every area, reused
+            x = whole_input(seed)
+            want, got = my_rows(plain(x), R, P), fast(my_rows(x, R, P))
+            torch.cuda.synchronize()
+            agree(torch.allclose(got, want, rtol=1e-12, atol=1e-12),
+                  f"{config} call {seed}: differs by {(got - want).abs().max():.2e}")
+
+
+def test_a_stack_and_bfloat16():
+    blocks = [block(seed) for seed in range(3)]
+    fast = torch.nn.Sequential(*[AsyncTPBlock(b, EXCHANGE) for b in blocks])
+    with torch.no_grad():
+        x = whole_input(9)
+        want = x
+        for b in blocks:
+            want = b(want)
+        got = fast(my_rows(x, R, P))
+        agree(torch.allclose(got, my_rows(want, R, P), rtol=1e-12, atol=1e-12), "stack of 3")
+        low = block(3, dtype=torch.bfloat16)
+        x = whole_input(10, torch.bfloat16)
+        want, got = my_rows(low(x), R, P).float(), AsyncTPBlock(low, EXCHANGE)(my_rows(x, R, P)).float()
+        error = ((got - want).abs().max() / want.abs().max()).item()
+    agree(error < 3e-2, f"bf16: relative error {error:.2e}")
+
+
+def test_the_exchange_gathers_every_shard_and_sums_every_scatter():
+    mine = torch.full((5, 7), float(R), dtype=torch.float64, device=DEVICE)
+    for _ in range(3):
+        gathered = EXCHANGE.start_gather(mine)
+        shards = [gathered.shard(q).clone() for q in range(P)]
+        gathered.done()
+        scatter = EXCHANGE.start_scatter(mine)
+        for q in gathered.order[1:]:
+            scatter.send(torch.full((5, 7), float(10 * R + q), dtype=torch.float64, device=DEVICE), q)
+        scatter.own_out().fill_(10 * R + R)
+        total = scatter.finish()
+        torch.cuda.synchronize()
+        agree(all(torch.equal(s, torch.full_like(s, q)) for q, s in enumerate(shards)), "gathered shards")
+        agree(torch.equal(total, torch.full_like(total, sum(10 * q + R for q in range(P)))), "scattered sums")
+
+
+def test_bad_input_is_an_error_on_every_rank():
+    too_big = torch.zeros(SEQ * BATCH * HIDDEN * 2 if R == 0 else 4, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(CollectiveArgumentError, match="rank 0: a shard of .* does not fit"):
+        EXCHANGE.start_gather(too_big)
+    with pytest.raises(CollectiveArgumentError, match="rank 0: a tensor on GPU"):
+        EXCHANGE.start_scatter(torch.zeros(4) if R == 0 else torch.zeros(4, device=DEVICE))
+    if P > 1:
+        with pytest.raises(CollectiveArgumentError, match="shards differ"):
+            EXCHANGE.start_gather(torch.zeros(4 + R, device=DEVICE))
+    # the exchange still works after the refusals (nothing was queued)
+    test_the_exchange_gathers_every_shard_and_sums_every_scatter()

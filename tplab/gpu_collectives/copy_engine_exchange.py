@@ -1,0 +1,209 @@
+"""CopyEngineExchange: token shards moved between the GPUs of one node by the copy engines, for the GEMMs
+that consume and produce them (tplab.overlap.shard_exchange describes the contract, tplab.overlap.async_tp
+uses it).
+
+Why copy engines: NCCL's collectives and tplab's peer kernels move data with SMs, and every SM they hold is
+one a GEMM waits for. Copy engines (DMA units) move bytes over NVLink with no SM at all, so a GEMM next to
+them keeps the whole GPU; what they share is memory bandwidth, which compute-bound GEMMs leave over.
+
+Each rank's shared memory (CUDA IPC, PeerMemory) holds two areas, each in two halves that alternate
+between calls (a call writes a half only when the call before last is over everywhere -- see below):
+
+    gather area, half h:   my shard, published for the peers to pull
+    scatter area, half h:  p slots; slot q receives rank q's partial sum of my rows (slot r: my own)
+
+    start_gather(x):   side stream: copy x into my half, barrier with every peer ("all published"),
+                       then p-1 side streams pull every peer's shard into a local tensor, one event each.
+                       The caller's stream goes on at once with my own shard and waits, shard by shard,
+                       only for the event of the shard it needs next.
+    send(partial, q):  a side stream waits for the GEMM that made it, then pushes it into slot r of
+                       rank q's half.
+    finish():          the caller's stream waits for my pushes, barrier ("every push has landed
+                       everywhere"), then one reduction over my p slots -> my rows of the sum.
+
+The barriers are stream memory operations (copy_engine.StreamBarriers): no kernel, no SM, no host wait.
+Why halves make one barrier per call enough: a rank overwrites half h of call j only after its barrier of
+call j-1, which every peer reaches only after its own stream consumed call j-2 (the pulls it waited for,
+or the slots it summed) -- and call j-2 is the one that used half h.
+
+    exchange = CopyEngineExchange(mpi_comm, max_shard_bytes=80 << 20)   # collective; one node
+    AsyncTPBlock(block, exchange)(x_shard)                              # tplab.overlap.async_tp
+
+Eager only (the barriers' counts are fixed when queued, which a CUDA graph's replays would repeat); every
+rank queues its calls on one stream (torch's current stream), in the same order.
+"""
+
+from __future__ import annotations
+
+from tplab.comm.shard_agreement import agree_on_shards
+from tplab.gpu_collectives.copy_engine import MEMCPY_DEVICE_TO_DEVICE, StreamBarriers
+from tplab.gpu_collectives.peer_memory import PeerMemory
+
+ALIGN = 256  # bytes: every slot starts on a boundary that any element type and the copy engines like
+
+
+class CopyEngineExchange:
+    """Shards of up to ``max_shard_bytes`` each, through the copy engines (torch CUDA tensors)."""
+
+    def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, barrier_kernels: bool = False):
+        import cupy
+        import torch
+
+        self.mpi, self.rank, self.size = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.slot = -(-int(max_shard_bytes) // ALIGN) * ALIGN
+        self.device = cupy.cuda.Device().id
+        self.gather_memory = PeerMemory(mpi_comm, 2 * self.slot)                 # halves of one slot
+        self.scatter_memory = PeerMemory(mpi_comm, 2 * self.size * self.slot)    # halves of p slots
+        # one barrier sequence per area, each queued on one stream only (a barrier waits for ">= its number":
+        # numbers of two streams would overtake each other)
+        self.gather_barriers = StreamBarriers(self.gather_memory)
+        self.scatter_barriers = StreamBarriers(self.scatter_memory)
+        with torch.cuda.device(self.device):
+            self.publisher = torch.cuda.Stream()
+            self.pullers = [torch.cuda.Stream() for _ in range(self.size - 1)]
+            self.pushers = [torch.cuda.Stream() for _ in range(self.size - 1)]
+        self.gathers = self.scatters = 0
+        self.barrier_kernels = barrier_kernels   # the one-block flag_barrier kernel instead of stream operations
+        self._open = {}   # the last gather and scatter: the next one may start only once they are over
+
+    def _peers(self) -> list[int]:
+        return [(self.rank + i) % self.size for i in range(1, self.size)]  # r+1 first: peers spread the load
+
+    def _check(self, t, what) -> None:
+        """Every rank's shard fits, lies on its GPU and has one shape and dtype, or every rank raises."""
+        import torch
+
+        nbytes = t.numel() * t.element_size()
+        problem = ""
+        if not t.is_cuda or t.device.index != self.device:
+            problem = f"a tensor on GPU {self.device}, not on {t.device}"
+        elif nbytes > self.slot:
+            problem = (f"a shard of {nbytes} bytes does not fit the {self.slot}-byte slots (make the exchange "
+                       "with a larger max_shard_bytes)")
+        elif torch.cuda.is_current_stream_capturing():
+            problem = "eager only, not inside a CUDA graph capture (its stream barriers' numbers are fixed when queued)"
+        agree_on_shards(self.mpi.allgather, f"CopyEngineExchange.{what}", t.shape, t.dtype, problem)
+
+    def start_gather(self, shard) -> "CopyEngineGather":
+        import torch
+
+        self._check(shard, "start_gather")
+        if "gather" in self._open:
+            self._open.pop("gather").done()                              # (the halves' rule needs it)
+        shard = shard.contiguous()
+        nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
+        self.gathers += 1
+        compute = torch.cuda.current_stream()
+        self.publisher.wait_stream(compute)                              # the shard has been computed
+        _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
+              self.publisher)
+        shard.record_stream(self.publisher)                              # (the allocator: still being read)
+        self.gather_barriers.queue(_cupy_stream(self.publisher), self.barrier_kernels)  # all shards published
+        published = self.publisher.record_event()
+        landed = torch.empty((self.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+        events = {}
+        for q, stream in zip(self._peers(), self.pullers):
+            stream.wait_event(published)
+            _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream)
+            landed.record_stream(stream)
+            events[q] = stream.record_event()
+        self._open["gather"] = CopyEngineGather(self.rank, shard, landed, events)
+        return self._open["gather"]
+
+    def start_scatter(self, like) -> "CopyEngineScatter":
+        self._check(like, "start_scatter")
+        if "scatter" in self._open:
+            raise RuntimeError("CopyEngineExchange.start_scatter: the last scatter has not finished (call its "
+                               "finish() first: its barrier is what makes the next one's pushes safe)")
+        half = self.scatters % 2
+        self.scatters += 1
+        self._open["scatter"] = CopyEngineScatter(self, half, tuple(like.shape), like.dtype)
+        return self._open["scatter"]
+
+    def _slots(self, half: int, shape, dtype):
+        """My half's p slots as one tensor (p, *shape) over the shared memory (no copy)."""
+        import cupy
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = 1
+        for n in shape:
+            count *= n
+        memory = cupy.cuda.UnownedMemory(self.scatter_memory.data_pointer(self.rank) + half * self.size * self.slot,
+                                         self.size * self.slot, self, self.device)
+        raw = torch.as_tensor(cupy.ndarray((self.size * self.slot,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)),
+                              device=f"cuda:{self.device}")
+        per_slot = raw.view(self.size, self.slot)[:, : count * itemsize]   # each slot's first bytes
+        return per_slot.view(dtype).view(self.size, *shape)
+
+    def close(self) -> None:
+        """Collective: free the shared memory."""
+        self.gather_memory.close()
+        self.scatter_memory.close()
+
+
+class CopyEngineGather:
+    def __init__(self, rank, shard, landed, events):
+        self.order = [rank, *events]                       # mine, then the peers from r+1 on
+        self._rank, self._shard, self._landed, self._events = rank, shard, landed, events
+
+    def shard(self, q: int):
+        import torch
+
+        if q == self._rank:
+            return self._shard
+        torch.cuda.current_stream().wait_event(self._events[q])   # (the caller's stream, not the host)
+        return self._landed[q]
+
+    def done(self) -> None:
+        import torch
+
+        for event in self._events.values():               # (shards nobody asked for: still wait for them)
+            torch.cuda.current_stream().wait_event(event)
+
+
+class CopyEngineScatter:
+    def __init__(self, exchange: CopyEngineExchange, half: int, shape, dtype):
+        self._exchange, self._half, self._shape, self._dtype = exchange, half, shape, dtype
+        self._slots = exchange._slots(half, shape, dtype)
+        self._pushed = []
+
+    def send(self, partial, q: int) -> None:
+        import torch
+
+        ex = self._exchange
+        if tuple(partial.shape) != self._shape or partial.dtype != self._dtype:
+            raise ValueError(f"send: a partial of {self._shape} {self._dtype}, not {tuple(partial.shape)} {partial.dtype}")
+        partial = partial.contiguous()
+        stream = ex.pushers[(q - ex.rank - 1) % ex.size]
+        stream.wait_stream(torch.cuda.current_stream())                # the GEMM that made it
+        target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
+        _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream)
+        partial.record_stream(stream)
+        self._pushed.append(stream.record_event())
+
+    def own_out(self):
+        return self._slots[self._exchange.rank]
+
+    def finish(self):
+        import torch
+
+        ex, compute = self._exchange, torch.cuda.current_stream()
+        for event in self._pushed:
+            compute.wait_event(event)
+        ex.scatter_barriers.queue(_cupy_stream(compute), ex.barrier_kernels)   # every push has landed everywhere
+        ex._open.pop("scatter", None)
+        return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
+
+
+def _copy(dst: int, src: int, nbytes: int, stream) -> None:
+    import cupy
+
+    if nbytes:
+        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEVICE_TO_DEVICE, stream.cuda_stream)
+
+
+def _cupy_stream(stream):
+    import cupy
+
+    return cupy.cuda.ExternalStream(stream.cuda_stream)

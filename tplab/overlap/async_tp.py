@@ -1,0 +1,131 @@
+"""Async tensor parallelism: a transformer block whose collectives move shard by shard under its GEMMs.
+
+A tensor-parallel block under sequence parallelism communicates twice per half-block: an all-gather of
+the token shards before the column-parallel GEMMs (QKV, the MLP's up-projection) and a reduce-scatter
+after the row-parallel ones (the output projection, the down-projection) -- the same bytes as the plain
+block's two all-reduces. Here neither is a step of its own. Each is cut into its p shards (the
+"collective matmul" decomposition of Wang et al., ASPLOS 2023; PyTorch's async-TP), and every shard
+moves while the GEMM of another shard runs (tplab.overlap.shard_exchange moves them):
+
+    attention half, rank r of p (rows of q = the tokens rank q holds between layers):
+      QKV of my rows               | shards of r+1, r+2, ... arriving
+      QKV of rows r+1, r+2, ...    |   (each GEMM waits only for its own shard)
+      attention + out-proj of r+1's queries   -> push partial to r+1
+      attention + out-proj of r+2's queries   -> push partial to r+2   | r+1's partial moving
+      ...      my own queries last             | the last push moving
+      my rows = sum of the p partials of my rows   (my own partial's GEMM has added the residual and the
+                                                    bias as it wrote: no additions of their own)
+
+    MLP half: up-projection of my rows first; then for each peer's rows as they land: up, activation,
+    down -> push; my own down-projection last, so the last push has a GEMM to hide behind.
+
+What is left exposed: a shard's transfer where its GEMM is shorter (the output projection's at p >= 4),
+the reduction of the received partials, and the wait for the slowest rank at each scatter's barrier.
+The attention is cut by query rows (a block of queries sees every key up to its own end: ``attend``'s
+lower-right causal mask), so that the output projection's pushes have attention to hide behind.
+
+    block = ParallelBlock(...)                       # tplab.models; or any block with norm1, attention
+    fast = AsyncTPBlock(block, exchange)             # (ParallelAttention), norm2, mlp (ParallelMLP)
+    with torch.no_grad():
+        y = fast(x_shard)                            # x_shard: (s/p, b, h), my rows; y the same rows of
+                                                     # block(x) for the whole x (b, s, h), to rounding
+
+Inference only (no backward), no KV cache: a prefill. The block's weights are used as they are (whatever
+its layers' own ``sequence_parallel`` says).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tplab.layers.attend import attend
+
+
+class AsyncTPBlock(nn.Module):
+    """A pre-norm block (x + attention(norm1(x)), then + mlp(norm2(x))) on sequence shards, with its
+    all-gathers and reduce-scatters overlapped with its GEMMs shard by shard (module docstring)."""
+
+    def __init__(self, block, exchange):
+        super().__init__()
+        self.block, self.exchange = block, exchange
+        a, m = block.attention, block.mlp
+        if not all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "local_heads")):
+            raise TypeError("AsyncTPBlock: the block's attention must be a tplab ParallelAttention")
+        if not all(hasattr(m, name) for name in ("up", "down", "_hidden")):
+            raise TypeError("AsyncTPBlock: the block's MLP must be a tplab ParallelMLP (not a mixture of experts)")
+        if a.comm.size != exchange.size or a.comm.rank != exchange.rank:
+            raise ValueError(f"AsyncTPBlock: the block is split {a.comm.size} ways (rank {a.comm.rank}), the "
+                             f"exchange has {exchange.size} ranks (rank {exchange.rank})")
+
+    def forward(self, x, cache=None, mask=None):  # x: (s/p, b, h), my rows of the sequence
+        if cache is not None or mask is not None:
+            raise NotImplementedError("AsyncTPBlock runs a whole sequence at once (prefill): no KV cache or mask")
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError("AsyncTPBlock is forward only (its backward is not written): call it under "
+                               "torch.no_grad() or torch.inference_mode()")
+        if x.dim() != 3:
+            raise ValueError(f"AsyncTPBlock: x must be my rows of the sequence, (s/p, b, h), not {tuple(x.shape)}")
+        x = self._attention(self.block.norm1(x), residual=x)
+        return self._mlp(self.block.norm2(x), residual=x)
+
+    # ---- the attention half ---------------------------------------------------------------------------------
+    def _attention(self, x, residual):  # (s/p, b, h) -> residual + attention(x), (s/p, b, h)
+        a, p, r = self.block.attention, self.exchange.size, self.exchange.rank
+        rows, b, _ = x.shape
+        s, d = p * rows, a.head_dim
+        gathered = self.exchange.start_gather(x)
+        qkv = [x.new_empty(s, b, proj.out_features) for proj in (a.q_proj, a.k_proj, a.v_proj)]  # (s, b, ·)
+        for q in gathered.order:                         # my rows first, then the peers' as they land
+            shard = gathered.shard(q)
+            for proj, out in zip((a.q_proj, a.k_proj, a.v_proj), qkv):
+                linear_into(shard, proj.weight, proj.bias, out[q * rows:(q + 1) * rows])
+        gathered.done()
+        heads = (a.local_heads, a.local_kv_heads, a.local_kv_heads)
+        query, key, value = (t.view(s, b, n, d).permute(1, 2, 0, 3) for t, n in zip(qkv, heads))  # (b, n, s, d)
+        if a.rotary is not None:
+            query, key = a.rotary(query, key, first_position=0)
+        scatter = self.exchange.start_scatter(x)
+        base = residual if a.o_bias is None else residual + a.o_bias   # (my partial adds them, in the GEMM)
+        for q in [*gathered.order[1:], r]:              # the peers' queries first, mine last
+            end = (q + 1) * rows if a.causal else s     # (causal: a block of queries sees keys up to its end)
+            out = attend(query[:, :, q * rows:(q + 1) * rows], key[:, :, :end], value[:, :, :end], causal=a.causal)
+            out = out.permute(2, 0, 1, 3).reshape(rows, b, a.local_heads * d)  # (rows, b, n/p·d)
+            if q == r:
+                linear_into(out, a.o_proj.weight, base, scatter.own_out())
+            else:
+                scatter.send(torch.matmul(out, a.o_proj.weight.t()), q)
+        return scatter.finish()
+
+    # ---- the MLP half ---------------------------------------------------------------------------------------
+    def _mlp(self, x, residual):  # (s/p, b, h) -> residual + mlp(x), (s/p, b, h)
+        m, r = self.block.mlp, self.exchange.rank
+        gathered = self.exchange.start_gather(x)
+        scatter = self.exchange.start_scatter(x)
+        mine = m._hidden(gathered.shard(r))             # (s/p, b, ffn/p): mine first, it is here already
+        for q in gathered.order[1:]:                     # each peer's rows as they land: up, act, down, push
+            scatter.send(torch.matmul(m._hidden(gathered.shard(q)), m.down.weight.t()), q)
+        gathered.done()
+        base = residual if m.down.bias is None else residual + m.down.bias
+        linear_into(mine, m.down.weight, base, scatter.own_out())       # my own last: the last push hides here
+        return scatter.finish()
+
+
+def linear_into(x, weight, add, out) -> None:
+    """out = x Wᵀ + add, written into ``out`` (a contiguous block of a larger tensor): one GEMM, no copy.
+    ``add``: None, a bias (out_features,), or a tensor of out's shape (a residual: the GEMM's epilogue adds
+    it as it writes, which costs far less than an addition of its own)."""
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    if add is None:
+        torch.mm(x2, weight.t(), out=out2)
+    else:
+        torch.addmm(add if add.dim() == 1 else add.reshape(out2.shape), x2, weight.t(), out=out2)
+
+
+def my_rows(x, rank: int, size: int):
+    """My rows of a whole sequence under sequence parallelism: x (b, s, h) -> (s/p, b, h) (a copy)."""
+    s = x.shape[1]
+    if s % size:
+        raise ValueError(f"a sequence of {s} positions does not split into {size} equal shards")
+    rows = s // size
+    return x.transpose(0, 1)[rank * rows:(rank + 1) * rows].contiguous()
