@@ -12,6 +12,7 @@ returns the Figure; the notebook saves and shows it.
     strategies_gantt(intervals, names, p)     07: what every rank ran under each of up to three strategies
     allreduce_time_parts(parts, after, before) 03: a small GPU all-reduce's time, the agreement's share, the anchors
     two_shot_pushes(parts)                    03: two_shot pulling its results against pushing them
+    async_tp_layer(rows)                      06: a layer of a stack: plain, sequence-parallel, async TP
 """
 
 from __future__ import annotations
@@ -242,4 +243,37 @@ def two_shot_pushes(parts):
            title="2 GPUs: two_shot before and after")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    return fig
+
+
+ASYNC_TP_BARS = [  # (variant of scripts/gpu_async_tp.py, label, colour)
+    ("compute", "compute alone (collectives as no-ops)", "tab:blue"),
+    ("plain_nccl", "plain layer, NCCL all-reduces", color_of("torch.distributed")),
+    ("sequence_parallel", "sequence parallel, NCCL (no overlap)", "tab:gray"),
+    ("async_no_transfers", "async TP, nothing moving", "tab:cyan"),
+    ("async_tp", "async TP, copy engines moving shards", color_of("copy_engine")),
+]
+
+
+def async_tp_layer(rows):
+    """One layer of a stack (async_tp_gpu_*.csv, one run): each variant's time, split into the plain layer's
+    compute and what it adds; the target line at compute + 10% of NCCL's communication alone."""
+    fig, (ax,) = _row(1, width=8.5, height=4.0)
+    stack = rows[rows.layers == rows.layers.max()].set_index("variant")["ms_per_layer"]
+    compute, comm = stack["compute"], stack["nccl_comm"]
+    bars = [(v, label, colour) for v, label, colour in ASYNC_TP_BARS if v in stack.index]
+    for i, (variant, label, colour) in enumerate(bars):
+        ax.barh(i, min(stack[variant], compute), color=colour, alpha=0.35)   # (the plain layer's compute)
+        if stack[variant] > compute:
+            ax.barh(i, stack[variant] - compute, left=compute, color=colour)  # what it adds
+        ax.text(stack[variant] + 0.03, i, f"{stack[variant]:.2f} ms", va="center", fontsize=8)
+    ax.axvline(compute + 0.1 * comm, color="tab:green", ls="--", lw=1,
+               label=f"compute + 10% of NCCL's communication ({comm:.2f} ms alone)")
+    ax.set_yticks(range(len(bars)), [label for _, label, _ in bars])
+    ax.invert_yaxis()
+    lo = min(stack[v] for v, _, _ in bars)
+    ax.set(xlim=(lo - 0.6, stack.max() + 0.6), xlabel="ms per layer (a stack of %d layers)" % rows.layers.max(),
+           title=f"{rows.ranks.iloc[0]}x {rows.card.iloc[0]}: where a layer's time goes")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.18), frameon=False)
+    ax.grid(alpha=0.3, axis="x")
     return fig
