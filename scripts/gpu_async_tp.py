@@ -18,6 +18,9 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     async_no_transfers   AsyncTPBlock on a NullExchange: its smaller GEMMs, attention by query blocks and
                          reductions, with nothing moving (what the decomposition itself costs)
     async_tp             AsyncTPBlock: the layer on sequence shards, every shard moving under a GEMM
+    async_tp_gemm_pushes the same, the partial sums written by the GEMMs straight into the peers' slots over
+                         NVLink (CopyEngineExchange(pushes="gemm")); the gathers still by copy engines
+    async_tp_kernel_barriers  the same as async_tp with one-block barrier kernels instead of stream operations
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -112,6 +115,8 @@ def main():
     stack, fast = nn.Sequential(*blocks), nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
     kernel_barriers = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=True)
     by_kernels = nn.Sequential(*[AsyncTPBlock(b, kernel_barriers) for b in blocks])
+    gemm_pushes = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), pushes="gemm")
+    by_gemms = nn.Sequential(*[AsyncTPBlock(b, gemm_pushes) for b in blocks])
     idle = NullExchange(r, p)
     still = nn.Sequential(*[AsyncTPBlock(b, idle) for b in blocks])   # (nothing moves)
     ar = torch.empty_like(x)
@@ -129,7 +134,8 @@ def main():
                 scatter = exchange.start_scatter(x_rows)
                 for q in gathered.order[1:]:
                     gathered.shard(q)
-                    scatter.send(x_rows, q)
+                    scatter.out_for(q)             # (what it holds moves: only the time counts here)
+                    scatter.send(q)
                 gathered.done()
                 scatter.finish()
         return run
@@ -152,10 +158,12 @@ def main():
     rows = []
     with torch.no_grad(), mappings.argument_checks_off():
         want = my_rows(blocks[0](x), r, p)                         # the check: one block, plain, over NCCL
-        got = fast[0](x_rows)
-        torch.cuda.synchronize()
-        diff = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        worst = max(WORLD.allgather(diff))
+        diffs = []
+        for model in (fast[0], by_gemms[0], by_kernels[0]):
+            got = model(x_rows)
+            torch.cuda.synchronize()
+            diffs.append(((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
+        worst = max(WORLD.allgather(max(diffs)))
         started = time.perf_counter()
         fast(x_rows)
         queued = time.perf_counter() - started
@@ -167,6 +175,7 @@ def main():
                         "sequence_parallel": sp(model), "exchange_alone": exchange_alone(layers),
                         "async_no_transfers": lambda m=no_transfers: m(x_rows),
                         "async_tp": lambda m=async_model: m(x_rows)}
+            forwards["async_tp_gemm_pushes"] = lambda m=(by_gemms if layers > 1 else by_gemms[0]): m(x_rows)
             if layers > 1:
                 forwards["async_tp_kernel_barriers"] = lambda: by_kernels(x_rows)
             times = time_forwards(forwards, nccl, iters=args.iters, warmup=args.warmup, cuda=True)

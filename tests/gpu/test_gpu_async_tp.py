@@ -24,7 +24,10 @@ NCCL = nccl_world()
 torch.cuda.set_device(cupy.cuda.Device().id)
 DEVICE = torch.device("cuda", torch.cuda.current_device())
 SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
-EXCHANGE = CopyEngineExchange(COMM, SEQ // P * BATCH * HIDDEN * 8)   # one float64 shard
+SHARD_BYTES = SEQ // P * BATCH * HIDDEN * 8   # one float64 shard
+EXCHANGES = {"copy engines push": CopyEngineExchange(COMM, SHARD_BYTES),
+             "GEMMs write into the peers": CopyEngineExchange(COMM, SHARD_BYTES, pushes="gemm")}
+EXCHANGE = EXCHANGES["copy engines push"]
 
 
 def block(seed=0, dtype=torch.float64, **config):
@@ -39,16 +42,17 @@ def whole_input(seed, dtype=torch.float64):
 
 @pytest.mark.parametrize("config", [{}, {"n_kv_head": 1, "position": "rope", "mlp": "swiglu", "norm": "rmsnorm",
                                          "bias": False}], ids=["gpt", "llama-like"])
-def test_block_on_shards_equals_the_plain_block_call_after_call(config):
+@pytest.mark.parametrize("pushes", list(EXCHANGES))
+def test_block_on_shards_equals_the_plain_block_call_after_call(config, pushes):
     plain = block(**config)
-    fast = AsyncTPBlock(plain, EXCHANGE)
+    fast = AsyncTPBlock(plain, EXCHANGES[pushes])
     with torch.no_grad():
         for seed in range(5):   # odd and even calls: both halves of every area, reused
             x = whole_input(seed)
             want, got = my_rows(plain(x), R, P), fast(my_rows(x, R, P))
             torch.cuda.synchronize()
             agree(torch.allclose(got, want, rtol=1e-12, atol=1e-12),
-                  f"{config} call {seed}: differs by {(got - want).abs().max():.2e}")
+                  f"{config}, {pushes}, call {seed}: differs by {(got - want).abs().max():.2e}")
 
 
 def test_a_stack_and_bfloat16():
@@ -68,16 +72,22 @@ def test_a_stack_and_bfloat16():
     agree(error < 3e-2, f"bf16: relative error {error:.2e}")
 
 
-def test_the_exchange_gathers_every_shard_and_sums_every_scatter():
+@pytest.mark.parametrize("pushes", list(EXCHANGES))
+def test_the_exchange_gathers_every_shard_and_sums_every_scatter(pushes):
+    check_exchange(EXCHANGES[pushes])
+
+
+def check_exchange(exchange):
     mine = torch.full((5, 7), float(R), dtype=torch.float64, device=DEVICE)
     for _ in range(3):
-        gathered = EXCHANGE.start_gather(mine)
+        gathered = exchange.start_gather(mine)
         shards = [gathered.shard(q).clone() for q in range(P)]
         gathered.done()
-        scatter = EXCHANGE.start_scatter(mine)
+        scatter = exchange.start_scatter(mine)
         for q in gathered.order[1:]:
-            scatter.send(torch.full((5, 7), float(10 * R + q), dtype=torch.float64, device=DEVICE), q)
-        scatter.own_out().fill_(10 * R + R)
+            scatter.out_for(q).fill_(10 * R + q)
+            scatter.send(q)
+        scatter.out_for(R).fill_(10 * R + R)
         total = scatter.finish()
         torch.cuda.synchronize()
         agree(all(torch.equal(s, torch.full_like(s, q)) for q, s in enumerate(shards)), "gathered shards")
@@ -94,4 +104,4 @@ def test_bad_input_is_an_error_on_every_rank():
         with pytest.raises(CollectiveArgumentError, match="shards differ"):
             EXCHANGE.start_gather(torch.zeros(4 + R, device=DEVICE))
     # the exchange still works after the refusals (nothing was queued)
-    test_the_exchange_gathers_every_shard_and_sums_every_scatter()
+    check_exchange(EXCHANGE)

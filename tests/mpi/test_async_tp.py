@@ -71,8 +71,9 @@ def test_exchange_gathers_every_shard_and_scatters_sums():
     gathered.done()
     scatter = EXCHANGE.start_scatter(mine)
     for q in gathered.order[1:]:
-        scatter.send(torch.full((2, 3), float(10 * R + q), dtype=torch.float64), q)
-    scatter.own_out()[...] = 10 * R + R
+        scatter.out_for(q).fill_(10 * R + q)
+        scatter.send(q)
+    scatter.out_for(R).fill_(10 * R + R)
     want = sum(10 * q + R for q in range(P))
     agree(torch.equal(scatter.finish(), torch.full((2, 3), float(want), dtype=torch.float64)), "scattered sums")
 

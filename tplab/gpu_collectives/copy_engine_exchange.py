@@ -16,8 +16,9 @@ between calls (a call writes a half only when the call before last is over every
                        then p-1 side streams pull every peer's shard into a local tensor, one event each.
                        The caller's stream goes on at once with my own shard and waits, shard by shard,
                        only for the event of the shard it needs next.
-    send(partial, q):  a side stream waits for the GEMM that made it, then pushes it into slot r of
-                       rank q's half.
+    out_for(q), send(q):  the GEMM writes rank q's partial into a local tensor, then a side stream pushes
+                       it into slot r of rank q's half with a copy engine. With ``pushes="gemm"`` the GEMM
+                       writes it straight into that slot, over NVLink, tile by tile (SMs store it; no copy).
     finish():          the caller's stream waits for my pushes, barrier ("every push has landed
                        everywhere"), then one reduction over my p slots -> my rows of the sum.
 
@@ -45,7 +46,8 @@ ALIGN = 256  # bytes: every slot starts on a boundary that any element type and 
 class CopyEngineExchange:
     """Shards of up to ``max_shard_bytes`` each, through the copy engines (torch CUDA tensors)."""
 
-    def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, barrier_kernels: bool = False):
+    def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, pushes: str = "copy_engines",
+                 barrier_kernels: bool = False):
         import cupy
         import torch
 
@@ -64,6 +66,9 @@ class CopyEngineExchange:
             self.pushers = [torch.cuda.Stream() for _ in range(self.size - 1)]
         self.gathers = self.scatters = 0
         self.barrier_kernels = barrier_kernels   # the one-block flag_barrier kernel instead of stream operations
+        if pushes not in ("copy_engines", "gemm"):
+            raise ValueError(f"pushes: 'copy_engines' or 'gemm', not {pushes!r}")
+        self.pushes = pushes                     # partial sums: pushed by a copy engine, or written by the GEMM
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
 
     def _peers(self) -> list[int]:
@@ -120,8 +125,8 @@ class CopyEngineExchange:
         self._open["scatter"] = CopyEngineScatter(self, half, tuple(like.shape), like.dtype)
         return self._open["scatter"]
 
-    def _slots(self, half: int, shape, dtype):
-        """My half's p slots as one tensor (p, *shape) over the shared memory (no copy)."""
+    def _slots(self, q: int, half: int, shape, dtype):
+        """Rank q's half of p slots (mapped here) as one tensor (p, *shape) over the shared memory (no copy)."""
         import cupy
         import torch
 
@@ -129,7 +134,7 @@ class CopyEngineExchange:
         count = 1
         for n in shape:
             count *= n
-        memory = cupy.cuda.UnownedMemory(self.scatter_memory.data_pointer(self.rank) + half * self.size * self.slot,
+        memory = cupy.cuda.UnownedMemory(self.scatter_memory.data_pointer(q) + half * self.size * self.slot,
                                          self.size * self.slot, self, self.device)
         raw = torch.as_tensor(cupy.ndarray((self.size * self.slot,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)),
                               device=f"cuda:{self.device}")
@@ -165,25 +170,36 @@ class CopyEngineGather:
 class CopyEngineScatter:
     def __init__(self, exchange: CopyEngineExchange, half: int, shape, dtype):
         self._exchange, self._half, self._shape, self._dtype = exchange, half, shape, dtype
-        self._slots = exchange._slots(half, shape, dtype)
-        self._pushed = []
+        self._slots = exchange._slots(exchange.rank, half, shape, dtype)
+        self._outgoing, self._pushed = {}, []
 
-    def send(self, partial, q: int) -> None:
+    def out_for(self, q: int):
+        """Where rank q's partial goes: my own slot for q = rank; else a local tensor that ``send`` pushes
+        with a copy engine, or (``pushes="gemm"``) slot r of rank q's own memory, which the GEMM writes over
+        NVLink as it finishes each tile -- nothing left to send."""
         import torch
 
         ex = self._exchange
-        if tuple(partial.shape) != self._shape or partial.dtype != self._dtype:
-            raise ValueError(f"send: a partial of {self._shape} {self._dtype}, not {tuple(partial.shape)} {partial.dtype}")
-        partial = partial.contiguous()
+        if q == ex.rank:
+            return self._slots[q]
+        if q not in self._outgoing:
+            self._outgoing[q] = (ex._slots(q, self._half, self._shape, self._dtype)[ex.rank] if ex.pushes == "gemm"
+                                 else torch.empty(self._shape, dtype=self._dtype, device=f"cuda:{ex.device}"))
+        return self._outgoing[q]
+
+    def send(self, q: int) -> None:
+        import torch
+
+        ex = self._exchange
+        if ex.pushes == "gemm":
+            return                                                     # (written in place, over NVLink)
+        partial = self._outgoing[q]
         stream = ex.pushers[(q - ex.rank - 1) % ex.size]
-        stream.wait_stream(torch.cuda.current_stream())                # the GEMM that made it
+        stream.wait_stream(torch.cuda.current_stream())                # the GEMM that wrote it
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
         _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream)
         partial.record_stream(stream)
         self._pushed.append(stream.record_event())
-
-    def own_out(self):
-        return self._slots[self._exchange.rank]
 
     def finish(self):
         import torch

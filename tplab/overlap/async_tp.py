@@ -91,10 +91,9 @@ class AsyncTPBlock(nn.Module):
             end = (q + 1) * rows if a.causal else s     # (causal: a block of queries sees keys up to its end)
             out = attend(query[:, :, q * rows:(q + 1) * rows], key[:, :, :end], value[:, :, :end], causal=a.causal)
             out = out.permute(2, 0, 1, 3).reshape(rows, b, a.local_heads * d)  # (rows, b, n/p·d)
-            if q == r:
-                linear_into(out, a.o_proj.weight, base, scatter.own_out())
-            else:
-                scatter.send(torch.matmul(out, a.o_proj.weight.t()), q)
+            linear_into(out, a.o_proj.weight, base if q == r else None, scatter.out_for(q))
+            if q != r:
+                scatter.send(q)
         return scatter.finish()
 
     # ---- the MLP half ---------------------------------------------------------------------------------------
@@ -104,10 +103,11 @@ class AsyncTPBlock(nn.Module):
         scatter = self.exchange.start_scatter(x)
         mine = m._hidden(gathered.shard(r))             # (s/p, b, ffn/p): mine first, it is here already
         for q in gathered.order[1:]:                     # each peer's rows as they land: up, act, down, push
-            scatter.send(torch.matmul(m._hidden(gathered.shard(q)), m.down.weight.t()), q)
+            linear_into(m._hidden(gathered.shard(q)), m.down.weight, None, scatter.out_for(q))
+            scatter.send(q)
         gathered.done()
         base = residual if m.down.bias is None else residual + m.down.bias
-        linear_into(mine, m.down.weight, base, scatter.own_out())       # my own last: the last push hides here
+        linear_into(mine, m.down.weight, base, scatter.out_for(r))      # my own last: the last push hides here
         return scatter.finish()
 
 

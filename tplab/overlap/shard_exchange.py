@@ -12,8 +12,9 @@ both collectives into their p shards and each shard can move while another shard
 
     scatter = exchange.start_scatter(like)        # like: one shard's shape and dtype
     for q in peers:                               # each peer's rows first, then mine
-        scatter.send(partial rows of q, q)        # starts moving it to rank q
-    own = scatter.own_out()                       # where my own rows' partial goes (write it there)
+        W_q(scatter.out_for(q))                   # write rank q's partial where the exchange wants it
+        scatter.send(q)                           # it is written: start moving it to rank q
+    W_r(scatter.out_for(rank))                    # my own rows' partial
     y_shard = scatter.finish()                    # mine + what every peer sent me, summed over ranks
 
 Three exchanges implement this:
@@ -93,22 +94,19 @@ class MessageGather:
 
 class MessageScatter:
     def __init__(self, exchange: MessageExchange, slots, receives):
-        self._exchange, self._slots, self._receives, self._sends = exchange, slots, receives, []
+        self._exchange, self._slots, self._receives = exchange, slots, receives
+        self._outgoing, self._sends = {}, []
 
-    def send(self, partial: torch.Tensor, q: int) -> None:
-        partial = partial.contiguous()
-        if partial.shape != self._slots.shape[1:] or partial.dtype != self._slots.dtype:
-            raise ValueError(f"send: a partial of {tuple(self._slots.shape[1:])} {self._slots.dtype}, "
-                             f"not {tuple(partial.shape)} {partial.dtype}")
-        self._sends.append((partial, self._exchange.comm.isend(_bytes(partial), q, SCATTER_TAG)))
+    def out_for(self, q: int) -> torch.Tensor:
+        if q == self._exchange.rank:
+            return self._slots[q]
+        return self._outgoing.setdefault(q, torch.empty_like(self._slots[0]))
 
-    def own_out(self) -> torch.Tensor:
-        return self._slots[self._exchange.rank]
+    def send(self, q: int) -> None:
+        self._sends.append(self._exchange.comm.isend(_bytes(self._outgoing[q]), q, SCATTER_TAG))
 
     def finish(self) -> torch.Tensor:
-        for request in self._receives:
-            request.wait()
-        for _, request in self._sends:
+        for request in [*self._receives, *self._sends]:
             request.wait()
         return self._slots.sum(dim=0)
 
@@ -145,11 +143,11 @@ class _NullScatter:
     def __init__(self, slots, rank):
         self._slots, self._rank = slots, rank
 
-    def send(self, partial, q):
-        pass
+    def out_for(self, q):
+        return self._slots[self._rank if q == self._rank else (self._rank + 1) % len(self._slots)]
 
-    def own_out(self):
-        return self._slots[self._rank]
+    def send(self, q):
+        pass
 
     def finish(self):
         return self._slots.sum(dim=0)
