@@ -90,6 +90,9 @@ def main():
     parser.add_argument("--layers", type=int, default=4, help="blocks in the stack")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--pieces", type=lambda v: [int(m) for m in v.split(",") if m], default=[],
+                        help="also the stack with every copy in pieces of these many MiB (e.g. 4,16)")
+    parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch.backends.cuda.preferred_blas_library")
     parser.add_argument("--clocks", action="store_true",
                         help="also run each stack variant for 2 s while nvidia-smi samples SM clock and power")
     parser.add_argument("--profile", action="store_true",
@@ -104,6 +107,8 @@ def main():
 
     cupy.cuda.Device(local).use()
     device, dtype, p, r = torch.device("cuda", local), torch.bfloat16, WORLD.size, WORLD.rank
+    if args.blas:      # which library torch's matmuls go through (cuBLASLt's kernels may memset a workspace first)
+        torch.backends.cuda.preferred_blas_library(args.blas)
     nccl = TorchDistributedComm(device, in_place=True)
     card = torch.cuda.get_device_name(device)
     torch.manual_seed(0)
@@ -116,6 +121,9 @@ def main():
     kernel_barriers = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=True)
     by_kernels = nn.Sequential(*[AsyncTPBlock(b, kernel_barriers) for b in blocks])
     gemm_pushes = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), pushes="gemm")
+    pieces = {mib: CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), piece_bytes=mib << 20)
+              for mib in args.pieces}
+    by_pieces = {mib: nn.Sequential(*[AsyncTPBlock(b, ex) for b in blocks]) for mib, ex in pieces.items()}
     by_gemms = nn.Sequential(*[AsyncTPBlock(b, gemm_pushes) for b in blocks])
     idle = NullExchange(r, p)
     still = nn.Sequential(*[AsyncTPBlock(b, idle) for b in blocks])   # (nothing moves)
@@ -178,6 +186,8 @@ def main():
             forwards["async_tp_gemm_pushes"] = lambda m=(by_gemms if layers > 1 else by_gemms[0]): m(x_rows)
             if layers > 1:
                 forwards["async_tp_kernel_barriers"] = lambda: by_kernels(x_rows)
+                for mib, model in by_pieces.items():
+                    forwards[f"async_tp_pieces_{mib}MiB"] = lambda m=model: m(x_rows)
             times = time_forwards(forwards, nccl, iters=args.iters, warmup=args.warmup, cuda=True)
             rows += [{"variant": name, "layers": layers, "ms": seconds * 1e3} for name, seconds in times.items()]
         if args.clocks:
@@ -191,7 +201,9 @@ def main():
             latency = barrier_latency(exchange)
             if r == 0:
                 print(f"stream-operation barrier: {latency['idle']:.1f} us idle, {latency['busy']:.1f} us next to a GEMM")
-            for name, model in [("async_no_transfers", still), ("async_tp", fast)]:
+            profiled = [("async_no_transfers", still), ("async_tp", fast)]
+            profiled += [(f"async_tp_pieces_{mib}MiB", model) for mib, model in by_pieces.items()]
+            for name, model in profiled:
                 profile(name, lambda m=model: m(x_rows), Path(args.out_dir), r)
     if r == 0:
         software = f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
@@ -225,6 +237,7 @@ def profile(name, forward, out: Path, rank: int) -> None:
     torch.cuda.synchronize()
     WORLD.Barrier()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        forward()        # (two passes: the summary reads the second, past the ranks' start-up skew)
         forward()
         torch.cuda.synchronize()
     out.mkdir(parents=True, exist_ok=True)
@@ -249,13 +262,18 @@ def summarize(name, path, prof, rank):
     busy = {sid: sum(e["dur"] for e in evs if e["cat"] == "kernel") for sid, evs in streams.items()}
     main_stream = max(busy, key=busy.get)
     kernels = sorted(streams[main_stream], key=lambda e: e["ts"])
+    kernels = kernels[len(kernels) // 2:]                       # the second pass
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy[main_stream] = sum(e["dur"] for e in kernels if e["cat"] == "kernel")
+    before_copy_work = sum(b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])
+                           if b["cat"] != "kernel")   # (a memset or copy of the compute stream, waiting for an engine)
     gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a["name"][:50], b["name"][:50]) for a, b in zip(kernels, kernels[1:])),
                   reverse=True)
     copies = {sid: sum(e["dur"] for e in evs if e["cat"] == "gpu_memcpy") for sid, evs in streams.items()}
-    print(f"\nrank {rank}, {name}: compute stream {main_stream}: span {span / 1e3:.3f} ms, "
+    memsets = sum(1 for e in kernels if e["cat"] == "gpu_memset")
+    print(f"\nrank {rank}, {name}: {memsets} memsets in the pass; compute stream {main_stream}: span {span / 1e3:.3f} ms, "
           f"kernels {busy[main_stream] / 1e3:.3f} ms, idle {(span - busy[main_stream]) / 1e3:.3f} ms; "
-          "copies per stream (ms): "
+          f"(before its memsets and copies: {before_copy_work / 1e3:.3f} ms); copies per stream (ms): "
           f"{ {sid: round(c / 1e3, 3) for sid, c in copies.items() if c} }")
     for gap, before, after in gaps[:8]:
         print(f"  gap {gap / 1e3:.3f} ms  after {before}  before {after}")

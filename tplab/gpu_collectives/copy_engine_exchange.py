@@ -47,7 +47,7 @@ class CopyEngineExchange:
     """Shards of up to ``max_shard_bytes`` each, through the copy engines (torch CUDA tensors)."""
 
     def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, pushes: str = "copy_engines",
-                 barrier_kernels: bool = False):
+                 barrier_kernels: bool = False, piece_bytes: int = 0):
         import cupy
         import torch
 
@@ -69,6 +69,7 @@ class CopyEngineExchange:
         if pushes not in ("copy_engines", "gemm"):
             raise ValueError(f"pushes: 'copy_engines' or 'gemm', not {pushes!r}")
         self.pushes = pushes                     # partial sums: pushed by a copy engine, or written by the GEMM
+        self.piece = int(piece_bytes)            # > 0: every copy in pieces of this many bytes (_copy)
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
 
     def _peers(self) -> list[int]:
@@ -101,7 +102,7 @@ class CopyEngineExchange:
         compute = torch.cuda.current_stream()
         self.publisher.wait_stream(compute)                              # the shard has been computed
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
-              self.publisher)
+              self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
         self.gather_barriers.queue(_cupy_stream(self.publisher), self.barrier_kernels)  # all shards published
         published = self.publisher.record_event()
@@ -109,7 +110,8 @@ class CopyEngineExchange:
         events = {}
         for q, stream in zip(self._peers(), self.pullers):
             stream.wait_event(published)
-            _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream)
+            _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream,
+                  self.piece)
             landed.record_stream(stream)
             events[q] = stream.record_event()
         self._open["gather"] = CopyEngineGather(self.rank, shard, landed, events)
@@ -197,7 +199,7 @@ class CopyEngineScatter:
         stream = ex.pushers[(q - ex.rank - 1) % ex.size]
         stream.wait_stream(torch.cuda.current_stream())                # the GEMM that wrote it
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
-        _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream)
+        _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream, ex.piece)
         partial.record_stream(stream)
         self._pushed.append(stream.record_event())
 
@@ -212,11 +214,15 @@ class CopyEngineScatter:
         return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
 
 
-def _copy(dst: int, src: int, nbytes: int, stream) -> None:
+def _copy(dst: int, src: int, nbytes: int, stream, piece: int = 0) -> None:
+    """Copy ``nbytes`` on ``stream`` (a copy engine's work), in pieces of ``piece`` bytes if > 0: other streams'
+    copies and memsets, which queue for the same engines, then wait for a piece instead of the whole copy."""
     import cupy
 
-    if nbytes:
-        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEVICE_TO_DEVICE, stream.cuda_stream)
+    step = piece or nbytes
+    for start in range(0, nbytes, max(step, 1)):
+        cupy.cuda.runtime.memcpyAsync(dst + start, src + start, min(step, nbytes - start), MEMCPY_DEVICE_TO_DEVICE,
+                                      stream.cuda_stream)
 
 
 def _cupy_stream(stream):
