@@ -103,5 +103,29 @@ def test_bad_input_is_an_error_on_every_rank():
     if P > 1:
         with pytest.raises(CollectiveArgumentError, match="shards differ"):
             EXCHANGE.start_gather(torch.zeros(4 + R, device=DEVICE))
+    with torch.no_grad():   # one rank alone passes a mask: every rank raises, none waits for a shard
+        x = my_rows(whole_input(0), R, P)
+        with pytest.raises(CollectiveArgumentError, match=f"rank {P - 1}: .*no KV cache or mask"):
+            AsyncTPBlock(block(), EXCHANGE)(x, mask=torch.ones(1, device=DEVICE) if R == P - 1 else None)
     # the exchange still works after the refusals (nothing was queued)
     check_exchange(EXCHANGE)
+
+
+def test_an_error_mid_block_breaks_the_exchange_on_every_rank_and_a_new_one_works():
+    exchange = CopyEngineExchange(COMM, SHARD_BYTES)
+    plain = block()
+    x = my_rows(whole_input(1), R, P)
+    weight = plain.mlp.up.weight
+    with torch.no_grad():
+        plain.mlp.up.weight = torch.nn.Parameter(weight[:, :-1].clone())   # a shape the MLP's GEMM refuses
+        with pytest.raises(RuntimeError):
+            AsyncTPBlock(plain, exchange)(x)          # (inside the MLP: its gather and scatter are open)
+        plain.mlp.up.weight = weight
+        with pytest.raises(CollectiveArgumentError, match="make a new CopyEngineExchange"):
+            AsyncTPBlock(plain, exchange)(x)
+        fresh = CopyEngineExchange(COMM, SHARD_BYTES)
+        got, want = AsyncTPBlock(plain, fresh)(x), my_rows(plain(whole_input(1)), R, P)
+        torch.cuda.synchronize()
+    agree(torch.allclose(got, want, rtol=1e-12, atol=1e-12), f"a new exchange: differs by {(got - want).abs().max():.2e}")
+    exchange.close()
+    fresh.close()

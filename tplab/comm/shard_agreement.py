@@ -1,20 +1,40 @@
-"""The agreement of the shard exchanges (tplab.overlap.shard_exchange, tplab.gpu_collectives.copy_engine_exchange):
-before a shard moves, every rank learns every rank's shard shape and dtype and any problem a rank found
-with its own, so that bad input is the same error everywhere instead of peers waiting for a shard."""
+"""The agreement and the rules of the shard exchanges (tplab.overlap.shard_exchange and
+tplab.gpu_collectives.copy_engine_exchange). Before a shard moves, every rank learns which call every rank
+is making (its name and number), every rank's shard shape and dtype, and any problem a rank found with its
+own arguments: bad input is the same error everywhere, instead of peers waiting for a shard that never comes."""
 
 from __future__ import annotations
 
 from tplab.comm.base import CollectiveArgumentError
 
 
-def agree_on_shards(allgather_object, what: str, shape, dtype, problem: str = "") -> None:
-    """The shard exchanges' agreement (tplab.overlap.shard_exchange): every rank's shard has one shape and
-    dtype and no rank found a problem with its own, or every rank raises the same CollectiveArgumentError
-    (before anything moves: a rank that raised alone would leave its peers waiting for its shard)."""
-    everyone = allgather_object((tuple(shape), str(dtype), problem))
-    problems = [f"rank {q}: {p}" for q, (_, _, p) in enumerate(everyone) if p]
-    if not problems and len({(s, d) for s, d, _ in everyone}) > 1:
-        problems = ["the ranks' shards differ (" + ", ".join(f"rank {q}: {s} {d}" for q, (s, d, _) in enumerate(everyone))
-                    + ")"]
+def agree_on_shards(allgather_object, what: str, call: int, shape, dtype, problem: str = "") -> None:
+    """Every rank makes call number ``call`` of the same kind (``what``) with a shard of one shape and dtype,
+    and none found a problem, or every rank raises the same CollectiveArgumentError."""
+    everyone = allgather_object((what, call, tuple(shape), str(dtype), problem))
+    problems = [f"rank {q}: {p}" for q, (*_, p) in enumerate(everyone) if p]
+    if not problems and len({(w, c) for w, c, *_ in everyone}) > 1:
+        problems = ["the ranks are at different calls (" +
+                    ", ".join(f"rank {q}: {w} #{c}" for q, (w, c, *_) in enumerate(everyone)) + ")"]
+    if not problems and len({(s, d) for _, _, s, d, _ in everyone}) > 1:
+        problems = ["the ranks' shards differ (" +
+                    ", ".join(f"rank {q}: {s} {d}" for q, (_, _, s, d, _) in enumerate(everyone)) + ")"]
     if problems:
         raise CollectiveArgumentError(f"{what}: " + "; ".join(problems))
+
+
+def check_send(q, exchange, sent, written) -> None:
+    """A scatter sends each peer's partial exactly once, after writing it (the same rule everywhere)."""
+    if q == exchange.rank or not 0 <= q < exchange.size:
+        raise ValueError(f"send({q}): a peer's rank, not this rank ({exchange.rank}) or one outside 0..{exchange.size - 1}")
+    if q in sent:
+        raise RuntimeError(f"send({q}) twice in one scatter: the second would be taken for the next call's")
+    if written is not None and q not in written:
+        raise RuntimeError(f"send({q}) before out_for({q}): write rank {q}'s partial first")
+
+
+def check_all_sent(exchange, sent) -> None:
+    missing = sorted(set(range(exchange.size)) - {exchange.rank} - set(sent))
+    if missing:
+        raise RuntimeError(f"finish(): nothing sent to rank(s) {missing} (each peer needs its partial: "
+                           "out_for(q), then send(q))")

@@ -30,13 +30,16 @@ or the slots it summed) -- and call j-2 is the one that used half h.
     exchange = CopyEngineExchange(mpi_comm, max_shard_bytes=80 << 20)   # collective; one node
     AsyncTPBlock(block, exchange)(x_shard)                              # tplab.overlap.async_tp
 
-Eager only (the barriers' counts are fixed when queued, which a CUDA graph's replays would repeat); every
-rank queues its calls on one stream (torch's current stream), in the same order.
+Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank):
+eager only (the barriers' counts are fixed when queued, which a CUDA graph's replays would repeat); every
+call on the stream of the first (the barriers of two streams could overtake each other: a barrier waits
+for ">= its number"); a scatter finished before the next starts. After an error left a call open
+(``abandon``), the halves' rule no longer holds: the exchange refuses every later call; make a new one.
 """
 
 from __future__ import annotations
 
-from tplab.comm.shard_agreement import agree_on_shards
+from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send
 from tplab.gpu_collectives.copy_engine import MEMCPY_DEVICE_TO_DEVICE, StreamBarriers
 from tplab.gpu_collectives.peer_memory import PeerMemory
 
@@ -69,26 +72,59 @@ class CopyEngineExchange:
         if pushes not in ("copy_engines", "gemm"):
             raise ValueError(f"pushes: 'copy_engines' or 'gemm', not {pushes!r}")
         self.pushes = pushes                     # partial sums: pushed by a copy engine, or written by the GEMM
+        if int(piece_bytes) < 0:
+            raise ValueError(f"piece_bytes must be >= 0 (0: whole copies), not {piece_bytes}")
         self.piece = int(piece_bytes)            # > 0: every copy in pieces of this many bytes (_copy)
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
+        self.calls, self._stream = 0, None       # every call on one stream: the first one's (see _check)
+        self.broken = ""                         # set by abandon() when a call was left open
 
     def _peers(self) -> list[int]:
         return [(self.rank + i) % self.size for i in range(1, self.size)]  # r+1 first: peers spread the load
 
-    def _check(self, t, what) -> None:
-        """Every rank's shard fits, lies on its GPU and has one shape and dtype, or every rank raises."""
+    def _check(self, t, what, problem="") -> None:
+        """Every rank makes the same call, with a shard that fits, lies on its GPU and has one shape and
+        dtype, on the stream of the first call, or every rank raises."""
         import torch
 
         nbytes = t.numel() * t.element_size()
-        problem = ""
-        if not t.is_cuda or t.device.index != self.device:
+        stream = torch.cuda.current_stream(self.device)
+        if problem:
+            pass
+        elif self.broken:
+            problem = self.broken
+        elif not t.is_cuda or t.device.index != self.device:
             problem = f"a tensor on GPU {self.device}, not on {t.device}"
+        elif torch.cuda.current_device() != self.device:
+            problem = f"torch's current GPU is {torch.cuda.current_device()}, the exchange's {self.device}"
         elif nbytes > self.slot:
             problem = (f"a shard of {nbytes} bytes does not fit the {self.slot}-byte slots (make the exchange "
                        "with a larger max_shard_bytes)")
         elif torch.cuda.is_current_stream_capturing():
             problem = "eager only, not inside a CUDA graph capture (its stream barriers' numbers are fixed when queued)"
-        agree_on_shards(self.mpi.allgather, f"CopyEngineExchange.{what}", t.shape, t.dtype, problem)
+        elif self._stream is not None and stream != self._stream:
+            problem = ("every call on one stream (the barriers of two streams could overtake each other): this one "
+                       f"on {stream}, the first on {self._stream}")
+        elif what == "start_scatter" and "scatter" in self._open:
+            problem = "the last scatter has not finished (its barrier is what makes the next one's pushes safe)"
+        self.calls += 1
+        agree_on_shards(self.mpi.allgather, f"CopyEngineExchange.{what}", self.calls, t.shape, t.dtype, problem)
+        self._stream = self._stream or stream
+
+    def refuse(self, what: str, problem: str, like=None) -> None:
+        """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
+        import torch
+
+        self._check(torch.empty(0) if like is None else like, what, problem)
+
+    def abandon(self) -> None:
+        """After an error mid-block. A call left open (a gather, a scatter without its barrier) breaks the
+        halves' rule for the calls after it, so the exchange refuses every later call on every rank (through
+        the agreement): make a new one."""
+        if self._open:
+            self.broken = (f"an error interrupted call {self.calls} ({', '.join(sorted(self._open))} open): this "
+                           "exchange cannot go on safely; make a new CopyEngineExchange")
+        self._open.clear()
 
     def start_gather(self, shard) -> "CopyEngineGather":
         import torch
@@ -99,29 +135,25 @@ class CopyEngineExchange:
         shard = shard.contiguous()
         nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
         self.gathers += 1
-        compute = torch.cuda.current_stream()
-        self.publisher.wait_stream(compute)                              # the shard has been computed
+        self.publisher.wait_stream(self._stream)                         # the shard has been computed
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
               self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
         self.gather_barriers.queue(_cupy_stream(self.publisher), self.barrier_kernels)  # all shards published
         published = self.publisher.record_event()
-        landed = torch.empty((self.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-        events = {}
+        landed, events = {}, {}
         for q, stream in zip(self._peers(), self.pullers):
             stream.wait_event(published)
+            landed[q] = torch.empty_like(shard)
             _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream,
                   self.piece)
-            landed.record_stream(stream)
+            landed[q].record_stream(stream)
             events[q] = stream.record_event()
-        self._open["gather"] = CopyEngineGather(self.rank, shard, landed, events)
+        self._open["gather"] = CopyEngineGather(self, shard, landed, events)
         return self._open["gather"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":
         self._check(like, "start_scatter")
-        if "scatter" in self._open:
-            raise RuntimeError("CopyEngineExchange.start_scatter: the last scatter has not finished (call its "
-                               "finish() first: its barrier is what makes the next one's pushes safe)")
         half = self.scatters % 2
         self.scatters += 1
         self._open["scatter"] = CopyEngineScatter(self, half, tuple(like.shape), like.dtype)
@@ -150,30 +182,28 @@ class CopyEngineExchange:
 
 
 class CopyEngineGather:
-    def __init__(self, rank, shard, landed, events):
-        self.order = [rank, *events]                       # mine, then the peers from r+1 on
-        self._rank, self._shard, self._landed, self._events = rank, shard, landed, events
+    def __init__(self, exchange, shard, landed, events):
+        self.order = [exchange.rank, *events]               # mine, then the peers from r+1 on
+        self._exchange, self._shard, self._landed, self._events = exchange, shard, landed, events
 
     def shard(self, q: int):
-        import torch
-
-        if q == self._rank:
+        if q == self._exchange.rank:
             return self._shard
-        torch.cuda.current_stream().wait_event(self._events[q])   # (the caller's stream, not the host)
+        self._exchange._stream.wait_event(self._events[q])    # (the caller's stream waits, not the host)
         return self._landed[q]
 
     def done(self) -> None:
-        import torch
-
-        for event in self._events.values():               # (shards nobody asked for: still wait for them)
-            torch.cuda.current_stream().wait_event(event)
+        for event in self._events.values():                 # (shards nobody asked for: still wait for them)
+            self._exchange._stream.wait_event(event)
+        if self._exchange._open.get("gather") is self:
+            del self._exchange._open["gather"]
 
 
 class CopyEngineScatter:
     def __init__(self, exchange: CopyEngineExchange, half: int, shape, dtype):
         self._exchange, self._half, self._shape, self._dtype = exchange, half, shape, dtype
         self._slots = exchange._slots(exchange.rank, half, shape, dtype)
-        self._outgoing, self._pushed = {}, []
+        self._outgoing, self._sent, self._pushed = {}, set(), []
 
     def out_for(self, q: int):
         """Where rank q's partial goes: my own slot for q = rank; else a local tensor that ``send`` pushes
@@ -190,26 +220,25 @@ class CopyEngineScatter:
         return self._outgoing[q]
 
     def send(self, q: int) -> None:
-        import torch
-
         ex = self._exchange
+        check_send(q, ex, self._sent, self._outgoing)
+        self._sent.add(q)
         if ex.pushes == "gemm":
             return                                                     # (written in place, over NVLink)
         partial = self._outgoing[q]
         stream = ex.pushers[(q - ex.rank - 1) % ex.size]
-        stream.wait_stream(torch.cuda.current_stream())                # the GEMM that wrote it
+        stream.wait_stream(ex._stream)                                 # the GEMM that wrote it
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
         _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream, ex.piece)
         partial.record_stream(stream)
         self._pushed.append(stream.record_event())
 
     def finish(self):
-        import torch
-
-        ex, compute = self._exchange, torch.cuda.current_stream()
+        ex = self._exchange
+        check_all_sent(ex, self._sent)
         for event in self._pushed:
-            compute.wait_event(event)
-        ex.scatter_barriers.queue(_cupy_stream(compute), ex.barrier_kernels)   # every push has landed everywhere
+            ex._stream.wait_event(event)
+        ex.scatter_barriers.queue(_cupy_stream(ex._stream), ex.barrier_kernels)   # every push has landed everywhere
         ex._open.pop("scatter", None)
         return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
 

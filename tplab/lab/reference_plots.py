@@ -256,23 +256,29 @@ ASYNC_TP_BARS = [  # (variant of scripts/gpu_async_tp.py, label, colour)
 
 
 def async_tp_layer(rows):
-    """One layer of a stack (async_tp_gpu_*.csv, one run): each variant's time, split into the plain layer's
-    compute and what it adds; the target line at compute + 10% of NCCL's communication alone."""
+    """One layer of a stack (async_tp_gpu_*.csv; the median over its runs, the whiskers their range): each
+    variant's time, split into the plain layer's compute and what it adds; the target line at compute + 10%
+    of NCCL's communication alone."""
     fig, (ax,) = _row(1, width=8.5, height=4.0)
-    stack = rows[rows.layers == rows.layers.max()].set_index("variant")["ms_per_layer"]
+    layer = rows[rows.layers == rows.layers.max()].groupby("variant")["ms_per_layer"]
+    stack, low, high = layer.median(), layer.min(), layer.max()
     compute, comm = stack["compute"], stack["nccl_comm"]
     bars = [(v, label, colour) for v, label, colour in ASYNC_TP_BARS if v in stack.index]
-    for i, (variant, label, colour) in enumerate(bars):
+    for i, (variant, _, colour) in enumerate(bars):
         ax.barh(i, min(stack[variant], compute), color=colour, alpha=0.35)   # (the plain layer's compute)
         if stack[variant] > compute:
             ax.barh(i, stack[variant] - compute, left=compute, color=colour)  # what it adds
-        ax.text(stack[variant] + 0.03, i, f"{stack[variant]:.2f} ms", va="center", fontsize=8)
+        ax.errorbar(stack[variant], i, xerr=[[stack[variant] - low[variant]], [high[variant] - stack[variant]]],
+                    color="black", capsize=3, lw=1)
+        ax.text(high[variant] + 0.03, i, f"{stack[variant]:.2f} ms", va="center", fontsize=8)
     ax.axvline(compute + 0.1 * comm, color="tab:green", ls="--", lw=1,
                label=f"compute + 10% of NCCL's communication ({comm:.2f} ms alone)")
     ax.set_yticks(range(len(bars)), [label for _, label, _ in bars])
     ax.invert_yaxis()
-    lo = min(stack[v] for v, _, _ in bars)
-    ax.set(xlim=(lo - 0.6, stack.max() + 0.6), xlabel="ms per layer (a stack of %d layers)" % rows.layers.max(),
+    lo = min(low[v] for v, _, _ in bars)
+    runs = rows["run"].nunique() if "run" in rows else 1
+    ax.set(xlim=(lo - 0.6, max(high[v] for v, _, _ in bars) + 0.6),
+           xlabel=f"ms per layer (a stack of {rows.layers.max()} layers; median of {runs} run(s), whiskers: range)",
            title=f"{rows.ranks.iloc[0]}x {rows.card.iloc[0]}: where a layer's time goes")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.18), frameon=False)
     ax.grid(alpha=0.3, axis="x")

@@ -49,7 +49,7 @@ class ParallelMLP(nn.Module):
                    column(gate) if gate is not None else None, activation=activation,
                    sequence_parallel=sequence_parallel)
 
-    def _hidden(self, x):  # (..., h) -> (..., ffn/p): whole columns of the hidden layer, no communication
+    def hidden(self, x):  # (..., h) -> (..., ffn/p): whole columns of the hidden layer, no communication
         if self.gate is None:
             return nn.functional.gelu(self.up.local(x), approximate=self.approximate)
         return nn.functional.silu(self.gate.local(x)) * self.up.local(x)
@@ -59,7 +59,7 @@ class ParallelMLP(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.comm, self.algorithm)  # (s, b, h)
         else:  # x: (..., h), the same on every rank
             x = copy_to_tensor_parallel_region(x, self.comm, self.algorithm)  # f
-        partial = self.down.local(self._hidden(x))  # (..., h): this rank's share of the sum
+        partial = self.down.local(self.hidden(x))  # (..., h): this rank's share of the sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.comm, self.algorithm)  # (s/p, b, h)
         else:

@@ -9,14 +9,14 @@ moves while the GEMM of another shard runs (tplab.overlap.shard_exchange moves t
 
     attention half, rank r of p (rows of q = the tokens rank q holds between layers):
       QKV of my rows               | shards of r+1, r+2, ... arriving
-      QKV of rows r+1, r+2, ...    |   (each GEMM waits only for its own shard)
+      QKV of rows r+1, r+2, ...    |   (in that order, each GEMM waiting only for its own shard)
       attention + out-proj of r+1's queries   -> push partial to r+1
       attention + out-proj of r+2's queries   -> push partial to r+2   | r+1's partial moving
       ...      my own queries last             | the last push moving
-      my rows = sum of the p partials of my rows   (my own partial's GEMM has added the residual and the
-                                                    bias as it wrote: no additions of their own)
+      my rows = sum of the p partials of my rows   (my own partial starts from the residual and the bias:
+                                                    the sum is the block's output, no additions after it)
 
-    MLP half: up-projection of my rows first; then for each peer's rows as they land: up, activation,
+    MLP half: up-projection of my rows first; then for each peer's rows in turn: up, activation,
     down -> push; my own down-projection last, so the last push has a GEMM to hide behind.
 
 What is left exposed: a shard's transfer where its GEMM is shorter (the output projection's at p >= 4),
@@ -52,22 +52,29 @@ class AsyncTPBlock(nn.Module):
         a, m = block.attention, block.mlp
         if not all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "local_heads")):
             raise TypeError("AsyncTPBlock: the block's attention must be a tplab ParallelAttention")
-        if not all(hasattr(m, name) for name in ("up", "down", "_hidden")):
+        if not all(hasattr(m, name) for name in ("up", "down", "hidden")):
             raise TypeError("AsyncTPBlock: the block's MLP must be a tplab ParallelMLP (not a mixture of experts)")
         if a.comm.size != exchange.size or a.comm.rank != exchange.rank:
             raise ValueError(f"AsyncTPBlock: the block is split {a.comm.size} ways (rank {a.comm.rank}), the "
                              f"exchange has {exchange.size} ranks (rank {exchange.rank})")
 
     def forward(self, x, cache=None, mask=None):  # x: (s/p, b, h), my rows of the sequence
+        problem = ""
         if cache is not None or mask is not None:
-            raise NotImplementedError("AsyncTPBlock runs a whole sequence at once (prefill): no KV cache or mask")
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            raise RuntimeError("AsyncTPBlock is forward only (its backward is not written): call it under "
-                               "torch.no_grad() or torch.inference_mode()")
-        if x.dim() != 3:
-            raise ValueError(f"AsyncTPBlock: x must be my rows of the sequence, (s/p, b, h), not {tuple(x.shape)}")
-        x = self._attention(self.block.norm1(x), residual=x)
-        return self._mlp(self.block.norm2(x), residual=x)
+            problem = "it runs a whole sequence at once (prefill): no KV cache or mask"
+        elif torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            problem = ("it is forward only (its backward is not written): call it under torch.no_grad() or "
+                       "torch.inference_mode()")
+        elif x.dim() != 3:
+            problem = f"x must be my rows of the sequence, (s/p, b, h), not {tuple(x.shape)}"
+        if problem:                                   # (agreed: every rank raises, none waits for a shard)
+            self.exchange.refuse("AsyncTPBlock", problem, like=x)
+        try:
+            x = self._attention(self.block.norm1(x), residual=x)
+            return self._mlp(self.block.norm2(x), residual=x)
+        except BaseException:
+            self.exchange.abandon()                   # (messages already posted complete; nothing stays open)
+            raise
 
     # ---- the attention half ---------------------------------------------------------------------------------
     def _attention(self, x, residual):  # (s/p, b, h) -> residual + attention(x), (s/p, b, h)
@@ -79,21 +86,22 @@ class AsyncTPBlock(nn.Module):
         for q in gathered.order:                         # my rows first, then the peers' as they land
             shard = gathered.shard(q)
             for proj, out in zip((a.q_proj, a.k_proj, a.v_proj), qkv):
-                linear_into(shard, proj.weight, proj.bias, out[q * rows:(q + 1) * rows])
+                linear_into(shard, proj.weight, out[q * rows:(q + 1) * rows], bias=proj.bias)
         gathered.done()
         heads = (a.local_heads, a.local_kv_heads, a.local_kv_heads)
         query, key, value = (t.view(s, b, n, d).permute(1, 2, 0, 3) for t, n in zip(qkv, heads))  # (b, n, s, d)
         if a.rotary is not None:
             query, key = a.rotary(query, key, first_position=0)
         scatter = self.exchange.start_scatter(x)
-        base = residual if a.o_bias is None else residual + a.o_bias   # (my partial adds them, in the GEMM)
         for q in [*gathered.order[1:], r]:              # the peers' queries first, mine last
             end = (q + 1) * rows if a.causal else s     # (causal: a block of queries sees keys up to its end)
             out = attend(query[:, :, q * rows:(q + 1) * rows], key[:, :, :end], value[:, :, :end], causal=a.causal)
             out = out.permute(2, 0, 1, 3).reshape(rows, b, a.local_heads * d)  # (rows, b, n/p·d)
-            linear_into(out, a.o_proj.weight, base if q == r else None, scatter.out_for(q))
             if q != r:
+                linear_into(out, a.o_proj.weight, scatter.out_for(q))
                 scatter.send(q)
+            else:                                       # my own partial starts from the residual and the bias
+                linear_into(out, a.o_proj.weight, scatter.out_for(r), start=(residual, a.o_bias))
         return scatter.finish()
 
     # ---- the MLP half ---------------------------------------------------------------------------------------
@@ -101,25 +109,29 @@ class AsyncTPBlock(nn.Module):
         m, r = self.block.mlp, self.exchange.rank
         gathered = self.exchange.start_gather(x)
         scatter = self.exchange.start_scatter(x)
-        mine = m._hidden(gathered.shard(r))             # (s/p, b, ffn/p): mine first, it is here already
-        for q in gathered.order[1:]:                     # each peer's rows as they land: up, act, down, push
-            linear_into(m._hidden(gathered.shard(q)), m.down.weight, None, scatter.out_for(q))
+        mine = m.hidden(gathered.shard(r))              # (s/p, b, ffn/p): mine first, it is here already
+        for q in gathered.order[1:]:                     # each peer's rows in turn: up, act, down, push
+            linear_into(m.hidden(gathered.shard(q)), m.down.weight, scatter.out_for(q))
             scatter.send(q)
         gathered.done()
-        base = residual if m.down.bias is None else residual + m.down.bias
-        linear_into(mine, m.down.weight, base, scatter.out_for(r))      # my own last: the last push hides here
+        linear_into(mine, m.down.weight, scatter.out_for(r), start=(residual, m.down.bias))  # mine last
         return scatter.finish()
 
 
-def linear_into(x, weight, add, out) -> None:
-    """out = x Wᵀ + add, written into ``out`` (a contiguous block of a larger tensor): one GEMM, no copy.
-    ``add``: None, a bias (out_features,), or a tensor of out's shape (a residual: the GEMM's epilogue adds
-    it as it writes, which costs far less than an addition of its own)."""
+def linear_into(x, weight, out, *, bias=None, start=None) -> None:
+    """out = x Wᵀ (+ bias), written into ``out`` (a contiguous block of a larger tensor): one GEMM, no copy.
+    ``start=(residual, bias)``: out = residual (+ bias) + x Wᵀ instead -- one elementwise kernel writes
+    residual + bias into ``out``, and the GEMM adds its product to it as it writes (beta = 1)."""
     x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-    if add is None:
+    if start is not None:
+        residual, start_bias = start
+        # an elementwise kernel (torch.add), not a copy: a copy would queue for the copy engines, behind shards
+        torch.add(residual, start_bias if start_bias is not None else 0, out=out)
+        torch.addmm(out2, x2, weight.t(), out=out2)
+    elif bias is None:
         torch.mm(x2, weight.t(), out=out2)
     else:
-        torch.addmm(add if add.dim() == 1 else add.reshape(out2.shape), x2, weight.t(), out=out2)
+        torch.addmm(bias, x2, weight.t(), out=out2)
 
 
 def my_rows(x, rank: int, size: int):

@@ -94,7 +94,7 @@ class OverlappedMLP(nn.Module):
 
     def partial(self, x):
         """This rank's share of the MLP output for tokens x (..., h): no communication."""
-        return self.mlp.down.local(self.mlp._hidden(x))
+        return self.mlp.down.local(self.mlp.hidden(x))
 
     def forward(self, x):
         y = self._sequence_parallel(x) if self.mlp.sequence_parallel else self._tensor_parallel(x)

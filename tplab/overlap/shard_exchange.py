@@ -6,14 +6,14 @@ and a row-parallel GEMM leaves every rank a partial sum of every row (a reduce-s
 both collectives into their p shards and each shard can move while another shard's GEMM runs:
 
     gathered = exchange.start_gather(x_shard)    # every rank's shard starts moving to every rank
-    for q in gathered.order:                      # mine first (it is already here), then as they land
+    for q in gathered.order:                      # mine first (it is here), then r+1, r+2, ... in turn
         y[rows of q] = gathered.shard(q) @ W      # waits for shard q only
     gathered.done()
 
     scatter = exchange.start_scatter(like)        # like: one shard's shape and dtype
     for q in peers:                               # each peer's rows first, then mine
         W_q(scatter.out_for(q))                   # write rank q's partial where the exchange wants it
-        scatter.send(q)                           # it is written: start moving it to rank q
+        scatter.send(q)                           # it is written: start moving it to rank q (once per peer)
     W_r(scatter.out_for(rank))                    # my own rows' partial
     y_shard = scatter.finish()                    # mine + what every peer sent me, summed over ranks
 
@@ -23,21 +23,25 @@ Three exchanges implement this:
                               of every shard at once; ``shard(q)`` waits for q's message. Host memory.
     CopyEngineExchange(...)   (tplab.gpu_collectives.copy_engine_exchange) GPUs of one node: the copy
                               engines pull shards out of, and push partials into, the peers' memory over
-                              NVLink, so the GEMMs keep every SM; waits are CUDA events, nothing waits
-                              on the host.
+                              NVLink, so the GEMMs keep every SM; the GPU waits on CUDA events and barriers,
+                              never the host.
     NullExchange(rank, size)  nothing moves (every shard "landed" is my own): the decomposed layer's own
                               cost -- its smaller GEMMs, its reduction -- next to the plain layer's compute.
 
-Every rank calls the same starts in the same order (like any collective); shards are equal in size.
+Every rank makes the same starts in the same order (like any collective); shards are equal in size. Each
+start first agrees on the host (one small allgather: which call, which shape, any rank's problem), so bad
+input is an error on every rank; ``refuse(what, problem)`` is that agreement for a caller's own checks.
+After an error between a start and its end, ``abandon()`` finishes what is in flight.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tplab.comm.shard_agreement import agree_on_shards
+from tplab.comm.base import Unsupported
+from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send
 
-GATHER_TAG, SCATTER_TAG = 7101, 7102  # (a gather and a scatter of the MLP are in flight at once)
+FIRST_TAG, TAGS = 1000, 30000  # call n's messages carry tag FIRST_TAG + n % TAGS: no call takes another's
 
 
 def _bytes(t: torch.Tensor):
@@ -46,40 +50,63 @@ def _bytes(t: torch.Tensor):
 
 
 class MessageExchange:
-    """Shards as messages of a point-to-point communicator (host memory: CPU tensors)."""
+    """Shards as messages of a point-to-point communicator (host memory: CPU tensors). Collective to make:
+    it talks on a duplicate of ``comm`` (a message space of its own), so no other message meets its tags."""
 
     def __init__(self, comm):
         if not comm.point_to_point:
             raise ValueError(f"MessageExchange needs a communicator with point-to-point messages, not {comm!r}")
+        try:
+            comm = comm.with_timeout(comm.timeout)
+        except Unsupported:
+            pass    # (a transport without duplicates: its own messages then share the tags' space)
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.calls, self._in_flight, self._abandoned = 0, [], []
 
     def _peers(self) -> list[int]:
         return [(self.rank + i) % self.size for i in range(1, self.size)]  # r+1 first: peers spread the load
 
-    def _agree(self, t, what) -> None:
-        problem = "" if t.device.type == "cpu" else \
-            f"host tensors only (on GPUs use CopyEngineExchange), not a tensor on {t.device}"
-        agree_on_shards(self.comm.allgather_object, f"MessageExchange.{what}", t.shape, t.dtype, problem)
+    def _agree(self, what, t, problem="") -> int:
+        """The agreement; returns this call's message tag."""
+        if not problem and t.device.type != "cpu":
+            problem = f"host tensors only (on GPUs use CopyEngineExchange), not a tensor on {t.device}"
+        self.calls += 1
+        agree_on_shards(self.comm.allgather_object, f"MessageExchange.{what}", self.calls, t.shape, t.dtype, problem)
+        return FIRST_TAG + self.calls % TAGS
+
+    def refuse(self, what: str, problem: str, like=None) -> None:
+        """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
+        self._agree(what, torch.empty(0) if like is None else like, problem)
 
     def start_gather(self, shard: torch.Tensor) -> "MessageGather":
-        self._agree(shard, "start_gather")
+        tag = self._agree("start_gather", shard)
         shard = shard.contiguous()
         landed = {q: torch.empty_like(shard) for q in self._peers()}
-        receives = {q: self.comm.irecv(_bytes(buf), q, GATHER_TAG) for q, buf in landed.items()}
-        sends = [self.comm.isend(_bytes(shard), q, GATHER_TAG) for q in self._peers()]
-        return MessageGather(self.rank, shard, landed, receives, sends)
+        receives = {q: self.comm.irecv(_bytes(buf), q, tag) for q, buf in landed.items()}
+        sends = [self.comm.isend(_bytes(shard), q, tag) for q in self._peers()]
+        self._in_flight.append(MessageGather(self, shard, landed, receives, sends))
+        return self._in_flight[-1]
 
     def start_scatter(self, like: torch.Tensor) -> "MessageScatter":
-        self._agree(like, "start_scatter")
+        tag = self._agree("start_scatter", like)
         slots = torch.empty((self.size, *like.shape), dtype=like.dtype)  # slot q: rank q's partial of my rows
-        receives = [self.comm.irecv(_bytes(slots[q]), q, SCATTER_TAG) for q in self._peers()]
-        return MessageScatter(self, slots, receives)
+        receives = [self.comm.irecv(_bytes(slots[q]), q, tag) for q in self._peers()]
+        self._in_flight.append(MessageScatter(self, slots, receives, tag))
+        return self._in_flight[-1]
+
+    def abandon(self) -> None:
+        """After an error mid-block: forget the calls in flight without waiting for them (a peer that failed
+        too never sends what they wait for). Their buffers are kept, since MPI may still write into them;
+        their messages carry their own calls' tags, which no later call takes."""
+        self._abandoned += self._in_flight
+        self._in_flight = []
 
 
 class MessageGather:
-    def __init__(self, rank, shard, landed, receives, sends):
-        self.order = [rank, *receives]                   # mine, then the peers from r+1 on
-        self._rank, self._shard, self._landed, self._receives, self._sends = rank, shard, landed, receives, sends
+    def __init__(self, exchange, shard, landed, receives, sends):
+        self.order = [exchange.rank, *receives]          # mine, then the peers from r+1 on
+        self._exchange, self._rank, self._shard = exchange, exchange.rank, shard
+        self._landed, self._receives, self._sends = landed, receives, sends
 
     def shard(self, q: int) -> torch.Tensor:
         if q == self._rank:
@@ -87,15 +114,19 @@ class MessageGather:
         self._receives[q].wait()
         return self._landed[q]
 
-    def done(self) -> None:
+    def wait_posted(self) -> None:
         for request in [*self._receives.values(), *self._sends]:
             request.wait()
 
+    def done(self) -> None:
+        self.wait_posted()
+        self._exchange._in_flight = [c for c in self._exchange._in_flight if c is not self]
+
 
 class MessageScatter:
-    def __init__(self, exchange: MessageExchange, slots, receives):
-        self._exchange, self._slots, self._receives = exchange, slots, receives
-        self._outgoing, self._sends = {}, []
+    def __init__(self, exchange: MessageExchange, slots, receives, tag):
+        self._exchange, self._slots, self._receives, self._tag = exchange, slots, receives, tag
+        self._outgoing, self._sends = {}, {}
 
     def out_for(self, q: int) -> torch.Tensor:
         if q == self._exchange.rank:
@@ -103,11 +134,17 @@ class MessageScatter:
         return self._outgoing.setdefault(q, torch.empty_like(self._slots[0]))
 
     def send(self, q: int) -> None:
-        self._sends.append(self._exchange.comm.isend(_bytes(self._outgoing[q]), q, SCATTER_TAG))
+        check_send(q, self._exchange, self._sends, self._outgoing)
+        self._sends[q] = self._exchange.comm.isend(_bytes(self._outgoing[q]), q, self._tag)
+
+    def wait_posted(self) -> None:
+        for request in [*self._receives, *self._sends.values()]:
+            request.wait()
 
     def finish(self) -> torch.Tensor:
-        for request in [*self._receives, *self._sends]:
-            request.wait()
+        check_all_sent(self._exchange, self._sends)
+        self.wait_posted()
+        self._exchange._in_flight = [c for c in self._exchange._in_flight if c is not self]
         return self._slots.sum(dim=0)
 
 
@@ -126,6 +163,14 @@ class NullExchange:
         if key not in self._slots:
             self._slots[key] = torch.zeros((self.size, *like.shape), dtype=like.dtype, device=like.device)
         return _NullScatter(self._slots[key], self.rank)
+
+    def refuse(self, what: str, problem: str, like=None) -> None:
+        from tplab.comm.base import CollectiveArgumentError
+
+        raise CollectiveArgumentError(f"{what}: rank {self.rank}: {problem}")
+
+    def abandon(self) -> None:
+        pass
 
 
 class _NullGather:
