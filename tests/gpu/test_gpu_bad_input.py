@@ -70,6 +70,24 @@ def test_mismatched_count_on_a_plan_used_before():
     fails_everywhere(lambda: tplab.allreduce(gpu(777 if COMM.rank == 0 else 778), PEERS))
 
 
+def test_a_rank_that_queued_more_calls_after_a_failure_still_meets_its_peers_later():
+    """Plans do not wait for their kernels. Rank 0 queues three more calls behind one that will fail; they
+    stop without meeting anyone (the failure is seen on the GPU first) and must not count as calls: small
+    all-reduces (one_shot_ll) tag their data by the call's number, so a rank that counted more would wait for
+    lines its peers never write (a timeout, the peer memory unusable) -- assert_still_works checks it."""
+    for _ in range(2):
+        tplab.allreduce(gpu(777), PEERS)                     # the plan exists on every rank: no waits
+
+    def call():
+        if COMM.rank == 0:
+            for n in (777, 777, 777, 777):                   # the first one fails; three more queued behind it
+                tplab.allreduce(gpu(n), PEERS)
+        else:
+            time.sleep(0.5)                                  # (rank 0's host has queued all four by now)
+            tplab.allreduce(gpu(778), PEERS)
+    fails_everywhere(call, "disagree")
+
+
 def test_mismatched_shape_same_count():
     shape = (4, 8) if COMM.rank == 0 else (8, 4)
     fails_everywhere(lambda: tplab.allreduce(gpu(32).reshape(shape), PEERS), "disagree")

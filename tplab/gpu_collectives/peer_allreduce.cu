@@ -263,8 +263,12 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
 // finish counts the call (so the next kernel's blocks all read the same call number). No fence: the next
 // kernel on the stream starts after this one has ended and sees all it wrote, and every block read the
 // call's number before it came here. (A fence would wait for the block's pushes to the peers to land.)
-__device__ void finish(Control* ctl) {
+// ``counted`` is false for a kernel that stopped without meeting anyone (FAILED_BEFORE: queued after a
+// failure, before the host raised it). A rank that queued more of them than its peers must still count the
+// calls as they do: one_shot_ll tags its lines, and picks its area, by the call's number.
+__device__ void finish(Control* ctl, bool counted = true) {
     __syncthreads();
+    if (!counted) return;
     if (threadIdx.x == 0 && gridDim.x == 1) {
         ctl->calls += 1;
     } else if (threadIdx.x == 0 && atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
@@ -277,12 +281,12 @@ __device__ void finish(Control* ctl) {
 // does first on a communicator with peer memory, so that ranks on different paths still meet.
 extern "C" __global__ void agree_only(Control* ctl, unsigned long long sig, unsigned int* const* flags,
                                       unsigned int* epochs, int rank, int p) {
-    agree(ctl, sig, flags, epochs, rank, p);
-    finish(ctl);
+    finish(ctl, agree(ctl, sig, flags, epochs, rank, p) != FAILED_BEFORE);
 }
 
 #define AGREE_OR_RETURN() \
-    if (agree(ctl, sig, flags, epochs, rank, p) != AGREED) { finish(ctl); return; }
+    { const int verdict_ = agree(ctl, sig, flags, epochs, rank, p); \
+      if (verdict_ != AGREED) { finish(ctl, verdict_ != FAILED_BEFORE); return; } }
 
 // The whole kernel is one barrier, at a slot of its own: what the copy-engine all-reduce (copy_engine.py)
 // puts between its copies, so that its stream waits for the peers' streams without the host and without
@@ -364,7 +368,8 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] + at : bufs[0];
     uint4* mine = bufs[rank] + at;
     FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
-    if (agree(ctl, sig, flags, epochs, rank, p, true) != AGREED) { finish(ctl); return; }   // also the barrier
+    const int verdict = agree(ctl, sig, flags, epochs, rank, p, true);                      // also the barrier
+    if (verdict != AGREED) { finish(ctl, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
     finish(ctl);
 }
@@ -424,7 +429,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
                             long long slot_lines, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
     if (sig != 0) {
-        if (*(volatile unsigned int*)&ctl->failed) { finish(ctl); return; }   // (as agree: peers are not coming)
+        if (*(volatile unsigned int*)&ctl->failed) { finish(ctl, false); return; }   // (as agree: FAILED_BEFORE)
         agree_signal(sig, flags, epochs, rank, p);
     }
     const unsigned int call = *(volatile unsigned int*)&ctl->calls + 1;
@@ -444,7 +449,8 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     uint4 low[MAX_RANKS], high[MAX_RANKS];
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (first < packs) read_lines(low, high, mine, slot_lines, first, rank, p);
-    if (agree(ctl, sig, flags, epochs, rank, p, false, true) != AGREED) { finish(ctl); return; }
+    const int verdict = agree(ctl, sig, flags, epochs, rank, p, false, true);
+    if (verdict != AGREED) { finish(ctl, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) {
         if (i != first) read_lines(low, high, mine, slot_lines, i, rank, p);
         Pack<T> v[MAX_RANKS];
