@@ -253,9 +253,9 @@ class PeerMemory:
         if out is None:
             out = cupy.empty_like(x)
         sig = AGREED_ALREADY if agreed else self.signature_of(x, algorithm, bf16)
-        self.allreduce_init(x, out, algorithm, bf16=bf16, fast=False, sig=sig)()   # (packing for cuLaunchKernel
-        if check and not agreed:                                                  #  costs more than it saves
-            cupy.cuda.get_current_stream().synchronize()                          #  on one call)
+        self._launcher(x, out, algorithm, bf16, fast=False, sig=sig)()   # (packing for cuLaunchKernel costs
+        if check and not agreed:                                        #  more than it saves on one call)
+            cupy.cuda.get_current_stream().synchronize()
             self.raise_pending()
         return out
 
@@ -271,12 +271,16 @@ class PeerMemory:
         latency-bound loops and CUDA graphs. ``sig``: the signature the kernel compares across ranks
         (default: from count, dtype and algorithm). ``fast``: launch through cuLaunchKernel with the
         arguments packed once (CuPy's launcher otherwise)."""
-        import cupy
-
         problem = _problem(self, x, algorithm, out, bf16)
         if problem:
             self.refuse(problem)
         sig = self.signature_of(x, algorithm, bf16) if sig is None else sig
+        return self._launcher(x, out, algorithm, bf16, fast, sig)
+
+    def _launcher(self, x, out, algorithm: str, bf16: bool, fast: bool, sig: int):
+        """allreduce_init's function, for arguments already checked (_problem)."""
+        import cupy
+
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
         if algorithm in ("two_shot", "ring") and self._is_buffer(x):

@@ -88,10 +88,12 @@ def prepare(name: str, x, validate: bool = True):
             return buf
     wrong = -1
     if validate:
+        from tplab.toolkit.ops import sum_tolerance
+
         want = t.reshape(-1).clone()
         dist.all_reduce(want)
         got = run().reshape(-1)
-        tolerance = 4 * dist.get_world_size() * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 0
+        tolerance = sum_tolerance(dist.get_world_size(), torch.finfo(t.dtype).eps) if t.dtype.is_floating_point else 0
         scale = want.double().abs().clamp(min=1.0)
         mine = int(((got.double() - want.double()).abs() > tolerance * scale).sum())
         total = torch.tensor([mine], device=t.device)

@@ -40,6 +40,7 @@ from tplab.comm import communicator
 from tplab.comm.devices import to_device
 from tplab.lab import anchors
 from tplab.lab.anchors import ANCHORS
+from tplab.toolkit.ops import sum_tolerance
 
 BUS_FACTOR = {  # nccl-tests' bus-bandwidth factors
     "allreduce": lambda p: 2 * (p - 1) / p,
@@ -86,7 +87,7 @@ def count_wrong(collective, algorithm, x, comm, op) -> int:
     elif got.dtype.kind in "iu" or op in ("max", "min") or collective in ("allgather", "broadcast"):
         wrong = int(xp.count_nonzero(got != want))
     else:
-        tolerance = 4 * comm.size * np.finfo(got.dtype).eps
+        tolerance = sum_tolerance(comm.size, np.finfo(got.dtype).eps)
         scale = xp.maximum(xp.abs(want.astype(np.float64)), 1.0)
         wrong = int(xp.count_nonzero(xp.abs(got.astype(np.float64) - want) > tolerance * scale))
     return sum(comm.allgather_object(wrong))

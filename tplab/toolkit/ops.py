@@ -73,3 +73,9 @@ def get_op(op: str | ReduceOp) -> ReduceOp:
         return OPS[op]
     except (KeyError, TypeError):
         raise ValueError(f"unknown reduction op {op!r}; choose one of {sorted(OPS)}") from None
+
+
+def sum_tolerance(ranks: int, eps: float) -> float:
+    """How far (relative, at least 1 in scale) a float sum over ``ranks`` may differ from another order's:
+    each of the p - 1 additions rounds once, by at most eps; 4x leaves room for the two orders' paths."""
+    return 4 * ranks * eps
