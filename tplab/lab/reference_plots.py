@@ -269,17 +269,20 @@ def async_tp_layer(rows):
         if stack[variant] > compute:
             ax.barh(i, stack[variant] - compute, left=compute, color=colour)  # what it adds
         ax.errorbar(stack[variant], i, xerr=[[stack[variant] - low[variant]], [high[variant] - stack[variant]]],
-                    color="black", capsize=3, lw=1)
+                    color="tab:gray", capsize=3, lw=1.5)
         ax.text(high[variant] + 0.03, i, f"{stack[variant]:.2f} ms", va="center", fontsize=8)
     ax.axvline(compute + 0.1 * comm, color="tab:green", ls="--", lw=1,
-               label=f"compute + 10% of NCCL's communication ({comm:.2f} ms alone)")
+               label=f"compute + 10% of NCCL's communication ({comm:.2f} ms alone): 90% hidden")
+    ax.barh([0], [0], color="silver", alpha=0.35, label="pale: up to the plain layer's compute")
+    ax.barh([0], [0], color="dimgray", label="dark: beyond it")
     ax.set_yticks(range(len(bars)), [label for _, label, _ in bars])
     ax.invert_yaxis()
     lo = min(low[v] for v, _, _ in bars)
     runs = rows["run"].nunique() if "run" in rows else 1
     ax.set(xlim=(lo - 0.6, max(high[v] for v, _, _ in bars) + 0.6),
-           xlabel=f"ms per layer (a stack of {rows.layers.max()} layers; median of {runs} run(s), whiskers: range)",
+           xlabel=f"ms per layer (a stack of {rows.layers.max()}; median of {runs} run(s), whiskers: range; "
+                  f"the axis starts at {lo - 0.6:.1f} ms)",
            title=f"{rows.ranks.iloc[0]}x {rows.card.iloc[0]}: where a layer's time goes")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.18), frameon=False)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.18), frameon=False, ncol=2)
     ax.grid(alpha=0.3, axis="x")
     return fig
