@@ -13,6 +13,7 @@ returns the Figure; the notebook saves and shows it.
     allreduce_time_parts(parts, after, before) 03: a small GPU all-reduce's time, the agreement's share, the anchors
     two_shot_pushes(parts)                    03: two_shot pulling its results against pushing them
     async_tp_layer(rows)                      06: a layer of a stack: plain, sequence-parallel, async TP
+    frontier_before_after(before, after)      03: small all-reduces from graphs, tplab's best in two runs, the anchors
 """
 
 from __future__ import annotations
@@ -241,6 +242,29 @@ def two_shot_pushes(parts):
     ax.plot(rows["size"], rows.graph_us, "--", marker="o", color=color_of("one_shot"), label="one_shot (the same run)")
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
            title="2 GPUs: two_shot before and after")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def frontier_before_after(before, after):
+    """Small all-reduces from CUDA graphs (tplab bench --graph rows of two runs on the same kind of machine):
+    tplab's fastest kernel per size in the run ``before`` a change (dashed) and ``after`` it (solid), with the
+    anchors of the run after (NCCL, NCCL's symmetric kernels, torch's symmetric-memory two-shot)."""
+    fig, (ax,) = _row(1, width=7.5, height=4.0)
+    for when, frame, style in (("before", before, "--"), ("after", after, "-")):
+        graph = frame[frame["mode"] == "graph"]
+        best = graph[graph.algorithm.str.startswith("peer_")].groupby("size").time_us.min()
+        ax.plot(best.index, best.values, style, marker="o", ms=3, color=color_of("tplab.allreduce"),
+                label=f"tplab, fastest kernel ({when})")
+    graph = after[after["mode"] == "graph"]
+    for anchor in ("nccl_symmetric", "symm_mem_two_shot", "nccl"):
+        rows = graph[graph.algorithm == anchor].sort_values("size")
+        if len(rows):
+            ax.plot(rows["size"], rows.time_us, marker=".", color=color_of(anchor), label=anchor)
+    ranks = int(after.ranks.iloc[0])
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title=f"{ranks} GPUs: small all-reduces, before and after")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return fig
