@@ -57,10 +57,11 @@ MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
 LL_THREADS = 128            # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink (PeerMemory.tune; data/gpu_api_allreduce_4x-h100.csv: one_shot_ll to 64 KiB, one_shot at 256 KiB,
-# two_shot to 16 MiB, the ring beyond); tune() measures it again on the machine at hand (at p = 2 the
-# one-shots win up to larger sizes).
-DEFAULT_TABLE = ((64 << 10, "one_shot_ll"), (256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# NVLink (data/gpu_frontier_4x-h100_small-messages_pushed-two-shot.csv and _256MiB_pushed-two-shot.csv, from
+# CUDA graphs: one_shot_ll to 16 KiB, one_shot at 64 and 256 KiB -- in the run before too --, two_shot at 1 and
+# 4 MiB, the ring at 256 MiB); tune() measures it again on the machine at hand (at p = 2 the one-shots win up
+# to larger sizes).
+DEFAULT_TABLE = ((16 << 10, "one_shot_ll"), (256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
 # On 2 GPUs a one-shot reads (or writes) as many bytes as two_shot moves and synchronises once: measured on
 # 2x H100 (data/gpu_frontier_2x-h100_small-messages.csv, _256MiB.csv), one_shot_ll to 256 KiB, one_shot to
 # 4 MiB, two_shot beyond (at 256 MiB ahead of the ring).
