@@ -157,3 +157,10 @@ def test_null_exchange_runs_the_block_without_moving_anything():
     with torch.no_grad():
         y = fast(x)
     agree(y.shape == x.shape and torch.isfinite(y).all().item(), "the null exchange's block runs")
+
+
+def test_notebook_check_of_a_stack_reports_rounding_only():
+    from tplab.overlap.experiments import check_async_tp
+
+    row = check_async_tp(layers=2, hidden=8 * P, heads=2 * P, seq=3 * P, batch=2)
+    agree(row["max |y - y_plain|"] < 1e-12 and row["rows per rank"] == (3, 2, 8 * P), f"{row}")

@@ -6,6 +6,7 @@ transformer block, its overlapped versions checked against it, traced, and swept
     check_block(chunk_counts, splits=("batch",), layers=3)   # micro-batches through a stack of 3 blocks
     trace_block(chunks)              # the traced intervals of one forward pass (rank 0; None elsewhere)
     sweep_block(chunk_counts)        # metrics.overlap_sweep of the block (+ the pipeline model's columns)
+    check_async_tp(layers=2)         # async TP on sequence shards vs the plain blocks, max |difference| (float64)
 """
 
 from __future__ import annotations
@@ -78,3 +79,24 @@ def sweep_block(chunk_counts=(1, 2, 4, 8), iters=10, warmup=2, **shape):
     pipeline model's prediction (metrics.pipeline_model)."""
     block, x = make_block(**shape)
     return pipeline_model(overlap_sweep(block, x, world(), chunk_counts, iters=iters, warmup=warmup))
+
+
+def check_async_tp(layers=2, **shape) -> dict:
+    """A stack of ``layers`` blocks run by async tensor parallelism (tplab.overlap.async_tp, shards moved as
+    MPI messages) on this rank's rows of the sequence, against the plain tensor-parallel blocks' same rows
+    (float64): the largest difference, the same on every rank (``shape``: make_block's; the sequence must
+    split evenly over the ranks)."""
+    from torch import nn
+
+    from tplab.overlap.async_tp import AsyncTPBlock, my_rows
+    from tplab.overlap.shard_exchange import MessageExchange
+
+    comm = world()
+    blocks = [make_block(dtype=torch.float64, seed=seed, **shape)[0] for seed in range(layers)]
+    x = make_block(dtype=torch.float64, **shape)[1]                          # (b, s, h), the same everywhere
+    exchange = MessageExchange(comm)
+    with torch.no_grad():
+        want = my_rows(nn.Sequential(*blocks)(x), comm.rank, comm.size)      # (s/p, b, h): my rows
+        got = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])(my_rows(x, comm.rank, comm.size))
+    worst = max(comm.allgather_object((got - want).abs().max().item()))
+    return {"layers": layers, "ranks": comm.size, "rows per rank": tuple(got.shape), "max |y - y_plain|": worst}
