@@ -49,8 +49,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from gpu_overlap import Block  # noqa: E402  (the same bf16 tensor-parallel block notebook 06 measures)
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
-from tplab.layers import ColumnParallelLinear, ParallelAttention, ParallelMLP, RowParallelLinear  # noqa: E402
 from tplab.layers import mappings  # noqa: E402
 from tplab.overlap import without_communication  # noqa: E402
 from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
@@ -58,21 +58,6 @@ from tplab.overlap.shard_exchange import NullExchange  # noqa: E402
 from tplab.overlap.metrics import time_forwards  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
-
-
-class Block(nn.Module):
-    """A tensor-parallel pre-norm GPT block: x + attention(norm1(x)), then + mlp(norm2(x))."""
-
-    def __init__(self, hidden, heads, comm, dtype):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(hidden, dtype=dtype), nn.LayerNorm(hidden, dtype=dtype)
-        self.attention = ParallelAttention(hidden, heads, comm, bias=True, dtype=dtype)
-        self.mlp = ParallelMLP(ColumnParallelLinear(hidden, 4 * hidden, comm, dtype=dtype),
-                               RowParallelLinear(4 * hidden, hidden, comm, dtype=dtype))
-
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 def sequence_parallel(blocks, on: bool):
