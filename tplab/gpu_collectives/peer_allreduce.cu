@@ -74,9 +74,6 @@ __device__ void barrier_at(int slot, unsigned int* const* flags, unsigned int* e
     if (threadIdx.x == 0) epochs[slot] = e;
 }
 
-__device__ __forceinline__ void barrier(unsigned int* const* flags, unsigned int* epochs, int rank, unsigned int who) {
-    barrier_at(blockIdx.x, flags, epochs, rank, who);
-}
 
 // ---- lines that carry their own "ready" mark (NCCL's LL protocol) ------------------------------------------
 // A line is 16 bytes {lo, tag, hi, tag}: 8 bytes of payload, each 4-byte half beside the same tag. A 16-byte
@@ -143,6 +140,44 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned int written;             // blocks of a one_shot that have written their part of the input
 };
 
+// What a kernel reads of this rank's counts, once, at its start: four independent loads in flight together
+// (thread 0's), then one __syncthreads, instead of a load wherever a count is needed. Each load is a trip
+// to L2 (a few hundred nanoseconds), and one after another on the path of every call they cost about as
+// much as the agreement's NVLink crossing itself.
+struct Call {
+    unsigned int failed;              // an agreement failed before this call and the host has not raised it
+    unsigned int number;              // this call's number: calls finished here + 1 (the same on every rank)
+    unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
+                                      //  moves the count once it has agreed)
+    unsigned int barriers;            // barriers this block has passed (epochs[blockIdx.x]; finish writes it back)
+};
+__device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned int* epochs) {
+    __shared__ Call shared;
+    if (threadIdx.x == 0) {
+        Call c;
+        c.failed = *(const volatile unsigned int*)&ctl->failed;
+        c.number = *(const volatile unsigned int*)&ctl->calls + 1;
+        c.agreement = *(const volatile unsigned int*)(epochs + AGREE_SLOT) + 1;
+        c.barriers = *(const volatile unsigned int*)(epochs + blockIdx.x);
+        shared = c;
+    }
+    __syncthreads();
+    return shared;
+}
+
+// barrier_at for block b at its own slot, with the count in a register (Call::barriers): no load on the way.
+__device__ __forceinline__ void barrier(unsigned int* const* flags, Call& c, int rank, unsigned int who) {
+    __syncthreads();                                     // this block's writes happen before the signal
+    const unsigned int e = ++c.barriers;
+    const int q = threadIdx.x;
+    if (q < MAX_RANKS && q != rank && ((who >> q) & 1u)) {
+        store_release(flags[q] + blockIdx.x * MAX_RANKS + rank, e);
+        const unsigned int* mine = flags[rank] + blockIdx.x * MAX_RANKS + q;
+        while ((int)(load_acquire(mine) - e) < 0) { }       // wrap-safe "mine < e"
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ unsigned long long globaltimer() {
     unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigned long long v) {
@@ -160,10 +195,10 @@ __device__ __forceinline__ uint4* signature_line(unsigned int* const* flags, int
 __device__ __forceinline__ void send_signature(unsigned int* const* flags, int q, unsigned int e, int rank,
                                                unsigned long long sig) {
     store_line(signature_line(flags, q, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
-__device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned int* const* flags,
-                                             unsigned int* epochs, int rank, int p) {
+__device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned int* const* flags, const Call& c,
+                                             int rank, int p) {
     const int q = threadIdx.x;
-    if (blockIdx.x == 0 && q < p && q != rank) send_signature(flags, q, epochs[AGREE_SLOT] + 1, rank, sig);
+    if (blockIdx.x == 0 && q < p && q != rank) send_signature(flags, q, c.agreement, rank, sig);
 }
 
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
@@ -174,18 +209,17 @@ __device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned in
 // fence before the signature line goes out, and one after the peers' lines came in -- the fence-based
 // release and acquire -- form one causality chain.) Signature 0 then still meets the peers but compares
 // nothing.
-__device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* flags, unsigned int* epochs,
-                     int rank, int p, bool after_writes = false, bool signalled = false) {
+__device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
+                     unsigned int* epochs, int rank, int p, bool after_writes = false, bool signalled = false) {
     if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
     // clears the flag on the stream when it raises).
-    if (*(volatile unsigned int*)&ctl->failed) return FAILED_BEFORE;
+    if (c.failed) return FAILED_BEFORE;
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
-    __shared__ unsigned int call;
     __shared__ int verdict;
-    if (threadIdx.x == 0) call = *(volatile unsigned int*)&ctl->calls + 1;
+    const unsigned int call = c.number;
     if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
     __syncthreads();
     const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
@@ -199,7 +233,7 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
             ctl->written = 0;                            // (the next kernel on this stream starts after this one)
         }
         __syncthreads();
-        const unsigned int e = epochs[AGREE_SLOT] + 1;
+        const unsigned int e = c.agreement;
         const int q = threadIdx.x;
         if (q < p && q != rank) {
             if (!signalled) {
@@ -266,14 +300,17 @@ __device__ int agree(Control* ctl, unsigned long long sig, unsigned int* const* 
 // ``counted`` is false for a kernel that stopped without meeting anyone (FAILED_BEFORE: queued after a
 // failure, before the host raised it). A rank that queued more of them than its peers must still count the
 // calls as they do: one_shot_ll tags its lines, and picks its area, by the call's number.
-__device__ void finish(Control* ctl, bool counted = true) {
+// The call's number is stored, not added to: it was read at the start (begin_call), and a load here would
+// be one more trip to L2 before the kernel can end. This block's barrier count goes back to memory.
+__device__ void finish(Control* ctl, unsigned int* epochs, const Call& c, bool counted = true) {
     __syncthreads();
+    if (threadIdx.x == 0) epochs[blockIdx.x] = c.barriers;
     if (!counted) return;
     if (threadIdx.x == 0 && gridDim.x == 1) {
-        ctl->calls += 1;
+        ctl->calls = c.number;
     } else if (threadIdx.x == 0 && atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
         ctl->finished = 0;
-        atomicAdd(&ctl->calls, 1u);
+        ctl->calls = c.number;
     }
 }
 
@@ -281,12 +318,15 @@ __device__ void finish(Control* ctl, bool counted = true) {
 // does first on a communicator with peer memory, so that ranks on different paths still meet.
 extern "C" __global__ void agree_only(Control* ctl, unsigned long long sig, unsigned int* const* flags,
                                       unsigned int* epochs, int rank, int p) {
-    finish(ctl, agree(ctl, sig, flags, epochs, rank, p) != FAILED_BEFORE);
+    const Call this_call = begin_call(ctl, epochs);
+    finish(ctl, epochs, this_call, agree(ctl, this_call, sig, flags, epochs, rank, p) != FAILED_BEFORE);
 }
 
-#define AGREE_OR_RETURN() \
-    { const int verdict_ = agree(ctl, sig, flags, epochs, rank, p); \
-      if (verdict_ != AGREED) { finish(ctl, verdict_ != FAILED_BEFORE); return; } }
+// How every other collective kernel starts (after after_previous_kernel): read the counts, agree or stop.
+#define BEGIN_CALL_AND_AGREE() \
+    Call this_call = begin_call(ctl, epochs); \
+    { const int verdict_ = agree(ctl, this_call, sig, flags, epochs, rank, p); \
+      if (verdict_ != AGREED) { finish(ctl, epochs, this_call, verdict_ != FAILED_BEFORE); return; } }
 
 // The whole kernel is one barrier, at a slot of its own: what the copy-engine all-reduce (copy_engine.py)
 // puts between its copies, so that its stream waits for the peers' streams without the host and without
@@ -362,16 +402,17 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
                          unsigned int* epochs, int rank, int p, long long packs, long long base, long long half,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    const long long at = base + (long long)(epochs[AGREE_SLOT] & 1u) * half;   // (read before block 0 moves it)
+    const Call this_call = begin_call(ctl, epochs);
+    const long long at = base + (long long)(this_call.agreement & 1u) * half;  // (all read before block 0 moves it)
     const uint4* in[MAX_RANKS];
 #pragma unroll
     for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] + at : bufs[0];
     uint4* mine = bufs[rank] + at;
     FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
-    const int verdict = agree(ctl, sig, flags, epochs, rank, p, true);                      // also the barrier
-    if (verdict != AGREED) { finish(ctl, verdict != FAILED_BEFORE); return; }
+    const int verdict = agree(ctl, this_call, sig, flags, epochs, rank, p, true);                   // also the barrier
+    if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
-    finish(ctl);
+    finish(ctl, epochs, this_call);
 }
 
 // Poll a line from rank q until it is this call's. A peer that agreed to the call then pushes its data, so
@@ -428,11 +469,12 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
                             unsigned int* epochs, int rank, int p, long long packs, long long base,
                             long long slot_lines, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
+    const Call this_call = begin_call(ctl, epochs);
     if (sig != 0) {
-        if (*(volatile unsigned int*)&ctl->failed) { finish(ctl, false); return; }   // (as agree: FAILED_BEFORE)
-        agree_signal(sig, flags, epochs, rank, p);
+        if (this_call.failed) { finish(ctl, epochs, this_call, false); return; }   // (as agree: FAILED_BEFORE)
+        agree_signal(sig, flags, this_call, rank, p);
     }
-    const unsigned int call = *(volatile unsigned int*)&ctl->calls + 1;
+    const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;
     FOR_MY_PACKS(i, 0, packs) {                              // push: two lines per 16-byte pack, to every peer
         const uint4 v = x[i];
@@ -449,8 +491,8 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     uint4 low[MAX_RANKS], high[MAX_RANKS];
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (first < packs) read_lines(low, high, mine, slot_lines, first, rank, p);
-    const int verdict = agree(ctl, sig, flags, epochs, rank, p, false, true);
-    if (verdict != AGREED) { finish(ctl, verdict != FAILED_BEFORE); return; }
+    const int verdict = agree(ctl, this_call, sig, flags, epochs, rank, p, false, true);
+    if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) {
         if (i != first) read_lines(low, high, mine, slot_lines, i, rank, p);
         Pack<T> v[MAX_RANKS];
@@ -466,7 +508,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
         }
         out[i] = sum_packs<T>(v, p);
     }
-    finish(ctl);
+    finish(ctl, epochs, this_call);
 }
 
 // ---- two-shot: reduce-scatter by pushing, allgather by pushing (large messages) -------------------------
@@ -492,9 +534,9 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
                          unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const unsigned int all = (1u << p) - 1;
-    if (sig == 0) barrier(flags, epochs, rank, all);        // (agreed before, maybe long before: see below)
+    if (sig == 0) barrier(flags, this_call, rank, all);        // (agreed before, maybe long before: see below)
     const long long round_packs = (long long)p * chunk;
     uint4* partial = bufs[rank];
     uint4* result = bufs[rank] + round_packs;
@@ -510,7 +552,7 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
                 slot[i] = a;
             }
         }
-        barrier(flags, epochs, rank, all);
+        barrier(flags, this_call, rank, all);
         const long long f = first + rank * chunk, l = lmin(f + chunk, last);
         const uint4* in[MAX_RANKS];
 #pragma unroll
@@ -521,14 +563,14 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
             for (int step = 1; step < p; step++)             // rank r starts at r+1: peers spread the load
                 (bufs[(rank + step) % p] + round_packs + (long long)rank * chunk - f)[i] = s;
         }
-        barrier(flags, epochs, rank, all);
+        barrier(flags, this_call, rank, all);
         for (int step = 1; step < p; step++) {
             const int q = (rank + step) % p;
             const long long g = first + q * chunk, h = lmin(g + chunk, last);
             copy_packs<T>(out, result + (long long)q * chunk - g, g, h);
         }
     }
-    finish(ctl);
+    finish(ctl, epochs, this_call);
 }
 
 // ---- two-shot by pulling only: for inputs that already lie in the shared buffers ("registered") ----------
@@ -541,27 +583,27 @@ __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, un
                               unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     if (x != mine)                                          // skipped when the input already lives there
         for (int c = 0; c < p; c++)                         // chunk by chunk: block b copies what the peers'
             copy_packs<T>(mine, x, c * chunk, lmin((c + 1) * chunk, packs));   // block b will read
-    barrier(flags, epochs, rank, all);
+    barrier(flags, this_call, rank, all);
     const long long first = rank * chunk, last = lmin(first + chunk, packs);
     FOR_MY_PACKS(i, first, last) {
         uint4 s = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
         mine[i] = s;
         out[i] = s;
     }
-    barrier(flags, epochs, rank, all);
+    barrier(flags, this_call, rank, all);
     for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
         const int q = (rank + step) % p;
         const long long f = q * chunk, l = lmin(f + chunk, packs);
         copy_packs<T>(out, bufs[q], f, l);
     }
-    barrier(flags, epochs, rank, all);
-    finish(ctl);
+    barrier(flags, this_call, rank, all);
+    finish(ctl, epochs, this_call);
 }
 
 // ---- ring_pull: reduce-scatter then allgather with the left neighbour only, p-1 steps each -------------
@@ -575,7 +617,7 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
                           unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
     uint4* mine = bufs[rank];
@@ -583,7 +625,7 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
 #define CHUNK_RANGE(c, f, l) const long long f = (long long)(c) * chunk, l = lmin(f + chunk, packs)
     {   CHUNK_RANGE(rank, f, l);                                  // my own chunk: what the right reads first
         if (x != mine) copy_packs<T>(mine, x, f, l); }
-    barrier(flags, epochs, rank, neighbours);
+    barrier(flags, this_call, rank, neighbours);
     for (int s = 0; s < p - 1; s++) {                            // reduce-scatter
         const int c = (rank - s - 1 + 2 * p) % p;
         CHUNK_RANGE(c, f, l);
@@ -602,7 +644,7 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
                 if (finished) out[j] = v;
             }
         }
-        barrier(flags, epochs, rank, neighbours);
+        barrier(flags, this_call, rank, neighbours);
     }
     for (int s = 0; s < p - 1; s++) {                            // allgather
         const int c = (rank - s + p) % p;
@@ -617,10 +659,10 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
             if (pass_on) mine[i] = a;
             if (two) { out[j] = b; if (pass_on) mine[j] = b; }
         }
-        barrier(flags, epochs, rank, neighbours);
+        barrier(flags, this_call, rank, neighbours);
     }
 #undef CHUNK_RANGE
-    finish(ctl);
+    finish(ctl, epochs, this_call);
 }
 
 // ---- ring: the textbook ring, pushing: every step writes into the right neighbour's buffer -------------
@@ -637,10 +679,10 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
                      unsigned int* epochs, int rank, int p, long long chunk, long long packs,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const int left = (rank + p - 1) % p, right = (rank + 1) % p;
     const unsigned int neighbours = (1u << left) | (1u << right);
-    if (sig == 0) barrier(flags, epochs, rank, neighbours);  // (the right neighbour has left its last call:
+    if (sig == 0) barrier(flags, this_call, rank, neighbours);  // (the right neighbour has left its last call:
     const uint4* slot = bufs[rank];                          //  a two_shot's results may still be read there)
     uint4* to_right = bufs[right];
 #define CHUNK_RANGE(c, f, l) const long long f = (long long)(c) * chunk, l = lmin(f + chunk, packs)
@@ -658,7 +700,7 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
             to_right[i] = a;
             if (two) to_right[j] = b;
         }
-        barrier(flags, epochs, rank, neighbours);
+        barrier(flags, this_call, rank, neighbours);
     }
     {   const int c = (rank + 1) % p;                            // the last addition: chunk r+1 complete
         CHUNK_RANGE(c, f, l);
@@ -671,7 +713,7 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
             if (p > 1) to_right[i] = a;                          // allgather step 0: pass it on
             if (two) { out[j] = b; if (p > 1) to_right[j] = b; }
         }
-        barrier(flags, epochs, rank, neighbours);
+        barrier(flags, this_call, rank, neighbours);
     }
     for (int t = 1; t < p; t++) {                                // allgather: take, pass on
         const int c = (rank + 1 - t + p) % p;
@@ -686,10 +728,10 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
             if (pass_on) to_right[i] = a;
             if (two) { out[j] = b; if (pass_on) to_right[j] = b; }
         }
-        barrier(flags, epochs, rank, neighbours);
+        barrier(flags, this_call, rank, neighbours);
     }
 #undef CHUNK_RANGE
-    finish(ctl);
+    finish(ctl, epochs, this_call);
 }
 
 // ---- allgather: every rank's x, in rank order, on every rank (pulled from all peers at once) ------------
@@ -697,12 +739,12 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
 extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                                      unsigned int* epochs, int rank, int p, long long packs,
         Control* ctl, unsigned long long sig) {
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
     uint4* own_part = out + (long long)rank * packs;
     FOR_MY_PACKS(i, 0, packs) { const uint4 v = x[i]; mine[i] = v; own_part[i] = v; }
-    barrier(flags, epochs, rank, all);
+    barrier(flags, this_call, rank, all);
     for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
         const int q = (rank + step) % p;
         const uint4* theirs = bufs[q];
@@ -713,8 +755,8 @@ extern "C" __global__ void allgather(const uint4* x, uint4* out, uint4* const* b
             part[i] = a;
         }
     }
-    barrier(flags, epochs, rank, all);                      // nobody overwrites a buffer still being read
-    finish(ctl);
+    barrier(flags, this_call, rank, all);                      // nobody overwrites a buffer still being read
+    finish(ctl, epochs, this_call);
 }
 
 // ---- the reduction step of the copy-engine all-reduce (copy_engine.py) ----------------------------------
@@ -738,7 +780,7 @@ __global__ void sum_slots(uint4* slots, long long stride, int rank, int p, long 
 extern "C" __global__ void alltoall(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                                     unsigned int* epochs, int rank, int p, long long packs,
         Control* ctl, unsigned long long sig) {
-    AGREE_OR_RETURN();
+    BEGIN_CALL_AND_AGREE();
     const unsigned int all = (1u << p) - 1;
     for (int step = 1; step <= p; step++) {                 // rank r starts at r+1: peers spread the load
         const int q = (rank + step) % p;                    // (the last step: q = r, the block that stays)
@@ -750,7 +792,7 @@ extern "C" __global__ void alltoall(const uint4* x, uint4* out, uint4* const* bu
             to[i] = a;
         }
     }
-    barrier(flags, epochs, rank, all);
+    barrier(flags, this_call, rank, all);
     const uint4* mine = bufs[rank];
     for (int step = 1; step < p; step++) {
         const int q = (rank + step) % p;
@@ -761,6 +803,6 @@ extern "C" __global__ void alltoall(const uint4* x, uint4* out, uint4* const* bu
             out[at + i] = a;
         }
     }
-    barrier(flags, epochs, rank, all);
-    finish(ctl);
+    barrier(flags, this_call, rank, all);
+    finish(ctl, epochs, this_call);
 }
