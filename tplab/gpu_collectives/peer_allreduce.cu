@@ -402,13 +402,21 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
                          unsigned int* epochs, int rank, int p, long long packs, long long base, long long half,
         Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    const Call this_call = begin_call(ctl, epochs);
-    const long long at = base + (long long)(this_call.agreement & 1u) * half;  // (all read before block 0 moves it)
+    // Loaded before this rank's counts, in the same trip to L2: the first pack of the input and the buffers'
+    // addresses (one_shot_ll says why).
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4 x_first = make_uint4(0u, 0u, 0u, 0u);
+    if (first < packs) x_first = x[first];
     const uint4* in[MAX_RANKS];
 #pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] + at : bufs[0];
-    uint4* mine = bufs[rank] + at;
-    FOR_MY_PACKS(i, 0, packs) mine[i] = x[i];
+    for (int q = 0; q < MAX_RANKS; q++) in[q] = q < p ? bufs[q] : bufs[0];
+    uint4* mine = bufs[rank];
+    const Call this_call = begin_call(ctl, epochs);
+    const long long at = base + (long long)(this_call.agreement & 1u) * half;  // (all read before block 0 moves it)
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) in[q] += at;
+    mine += at;
+    FOR_MY_PACKS(i, 0, packs) mine[i] = i == first ? x_first : x[i];
     const int verdict = agree(ctl, this_call, sig, flags, epochs, rank, p, true);                   // also the barrier
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) out[i] = sum_in_rank_order<T>(in, p, i);
@@ -469,27 +477,42 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
                             unsigned int* epochs, int rank, int p, long long packs, long long base,
                             long long slot_lines, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
+    // What does not depend on this rank's counts is loaded before them, in the same trip to L2: the first
+    // pack of the input, the buffers' addresses, and the signature line's destination. (Read after them,
+    // each would be one more trip, a few hundred nanoseconds, on the way to the peers.)
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4 x_first = make_uint4(0u, 0u, 0u, 0u);
+    if (first < packs) x_first = x[first];
+    uint4* to[MAX_RANKS];                                   // to[step]: rank r + step's buffer (step 1 .. p-1)
+#pragma unroll
+    for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
+    const uint4* my_buf = bufs[rank];
+    const bool signals = sig != 0 && blockIdx.x == 0 && threadIdx.x < p && threadIdx.x != rank;
+    unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (sig != 0) {
-        if (this_call.failed) { finish(ctl, epochs, this_call, false); return; }   // (as agree: FAILED_BEFORE)
-        agree_signal(sig, flags, this_call, rank, p);
+    if (sig != 0 && this_call.failed) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
+    if (signals) {                                           // (agree_signal, its address loaded already)
+        uint4* line = (uint4*)(their_flags + SIGNATURES) + (this_call.agreement & 1u) * MAX_RANKS + rank;
+        store_line(line, make_uint4((unsigned int)sig, this_call.agreement, (unsigned int)(sig >> 32),
+                                    this_call.agreement));
     }
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;
     FOR_MY_PACKS(i, 0, packs) {                              // push: two lines per 16-byte pack, to every peer
-        const uint4 v = x[i];
+        const uint4 v = i == first ? x_first : x[i];
         const uint4 low = make_uint4(v.x, call, v.y, call), high = make_uint4(v.z, call, v.w, call);
-        for (int step = 1; step < p; step++) {              // rank r starts at r+1: peers spread the load
-            uint4* line = bufs[(rank + step) % p] + area + rank * slot_lines + 2 * i;
+#pragma unroll
+        for (int step = 1; step < MAX_RANKS; step++) {      // rank r starts at r+1: peers spread the load
+            if (step >= p) break;
+            uint4* line = to[step] + area + rank * slot_lines + 2 * i;
             store_line(line, low);
             store_line(line + 1, high);
         }
     }
     // Every peer's two lines of a pack are read at once (one trip to L2, not one per line); the first pack's
     // even before the agreement is checked, so that the two trips overlap.
-    const uint4* mine = bufs[rank] + area;
+    const uint4* mine = my_buf + area;
     uint4 low[MAX_RANKS], high[MAX_RANKS];
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (first < packs) read_lines(low, high, mine, slot_lines, first, rank, p);
     const int verdict = agree(ctl, this_call, sig, flags, epochs, rank, p, false, true);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
@@ -499,7 +522,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
 #pragma unroll
         for (int q = 0; q < MAX_RANKS; q++) {
             if (q >= p) continue;
-            if (q == rank) { v[q].raw = x[i]; continue; }
+            if (q == rank) { v[q].raw = i == first ? x_first : x[i]; continue; }
             const uint2 a = line_has(low[q], call) ? make_uint2(low[q].x, low[q].z)
                                                    : wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
             const uint2 b = line_has(high[q], call) ? make_uint2(high[q].x, high[q].z)
