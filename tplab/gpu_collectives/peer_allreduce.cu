@@ -187,19 +187,14 @@ __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned lo
 __device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) {
     unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 
-// Rank r's signature line in rank q's row e & 1; sending it tells q "I am at agreement e, with this
-// signature". agree_signal is the first half of block 0's part alone: a kernel may send it first and meet
-// the peers later (agree(..., signalled = true)); one_shot_ll pushes its data in between.
-__device__ __forceinline__ uint4* signature_line(unsigned int* const* flags, int q, unsigned int e, int r) {
-    return (uint4*)(flags[q] + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
-__device__ __forceinline__ void send_signature(unsigned int* const* flags, int q, unsigned int e, int rank,
+// Rank r's signature line in the row e & 1 of a rank's flags (``their_flags``: flags[q]); sending it tells q
+// "I am at agreement e, with this signature". A kernel may send it first and meet the peers later
+// (agree(..., signalled = true)): one_shot_ll pushes its data in between.
+__device__ __forceinline__ uint4* signature_line(unsigned int* their_flags, unsigned int e, int r) {
+    return (uint4*)(their_flags + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
+__device__ __forceinline__ void send_signature(unsigned int* their_flags, unsigned int e, int rank,
                                                unsigned long long sig) {
-    store_line(signature_line(flags, q, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
-__device__ __forceinline__ void agree_signal(unsigned long long sig, unsigned int* const* flags, const Call& c,
-                                             int rank, int p) {
-    const int q = threadIdx.x;
-    if (blockIdx.x == 0 && q < p && q != rank) send_signature(flags, q, c.agreement, rank, sig);
-}
+    store_line(signature_line(their_flags, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
 
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
 // ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
@@ -238,9 +233,9 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
         if (q < p && q != rank) {
             if (!signalled) {
                 if (after_writes) fence_acq_rel_sys();      // (release: the staged input before the line)
-                send_signature(flags, q, e, rank, sig);
+                send_signature(flags[q], e, rank, sig);
             }
-            const uint4* mine = signature_line(flags, rank, e, q);
+            const uint4* mine = signature_line(flags[rank], e, q);
             unsigned long long start = 0;                       // (the clock is read only when waiting)
             unsigned int spins = 0;
             int o = AGREED;
@@ -491,11 +486,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
     if (sig != 0 && this_call.failed) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
-    if (signals) {                                           // (agree_signal, its address loaded already)
-        uint4* line = (uint4*)(their_flags + SIGNATURES) + (this_call.agreement & 1u) * MAX_RANKS + rank;
-        store_line(line, make_uint4((unsigned int)sig, this_call.agreement, (unsigned int)(sig >> 32),
-                                    this_call.agreement));
-    }
+    if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;
     FOR_MY_PACKS(i, 0, packs) {                              // push: two lines per 16-byte pack, to every peer
