@@ -136,7 +136,8 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned long long verdict;       // (call << 32) | code, published by block 0
     unsigned long long timeout_ns;
     unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
-    unsigned int failed;              // an agreement failed here and the host has not raised it yet
+    unsigned int failed;              // an agreement failed here and the host has not raised it yet: the
+                                      //  failed call's mark (failure_mark), 1 after a peer timed out
     unsigned int written;             // blocks of a one_shot that have written their part of the input
 };
 
@@ -145,7 +146,7 @@ struct Control {                      // this rank's own (device memory; peers n
 // to L2 (a few hundred nanoseconds), and one after another on the path of every call they cost about as
 // much as the agreement's NVLink crossing itself.
 struct Call {
-    unsigned int failed;              // an agreement failed before this call and the host has not raised it
+    unsigned int failed;              // Control::failed as the call started (failed_before says what it means)
     unsigned int number;              // this call's number: calls finished here + 1 (the same on every rank)
     unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
                                       //  moves the count once it has agreed)
@@ -163,6 +164,17 @@ __device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned in
     }
     __syncthreads();
     return shared;
+}
+
+// What Control::failed holds once call `number`'s agreement has failed (never 0, which means "none").
+__device__ __forceinline__ unsigned int failure_mark(unsigned int number) { return number != 0u ? number : 1u; }
+
+// Whether an earlier call failed: then this kernel stops without meeting anyone (its peers raised). A block
+// that starts after block 0 of its own kernel has found this call's agreement failed sees this call's mark
+// instead: it goes on to the verdict, and counts the call as every peer does. (Marking with a plain 1, such a
+// block used to return uncounted, and this rank's call numbers then lagged its peers' by one.)
+__device__ __forceinline__ bool failed_before(const Call& c) {
+    return c.failed != 0u && c.failed != failure_mark(c.number);
 }
 
 // barrier_at for block b at its own slot, with the count in a register (Call::barriers): no load on the way.
@@ -210,7 +222,7 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
     // clears the flag on the stream when it raises).
-    if (c.failed) return FAILED_BEFORE;
+    if (failed_before(c)) return FAILED_BEFORE;
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
     __shared__ int verdict;
@@ -262,7 +274,7 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
             if (peer >= 0 && code == AGREED) code = outcome[peer];
             epochs[AGREE_SLOT] = e;
             if (code != AGREED && code != SELF_REFUSED) {
-                ctl->failed = 1u;
+                ctl->failed = failure_mark(call);
                 volatile unsigned int* s = ctl->status;
                 s[1] = (unsigned int)peer;
                 s[2] = (unsigned int)(seen[peer] & 0xffffffffu);
@@ -485,7 +497,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     const bool signals = sig != 0 && blockIdx.x == 0 && threadIdx.x < p && threadIdx.x != rank;
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (sig != 0 && this_call.failed) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
+    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;

@@ -94,7 +94,9 @@ class PeerMemory:
             raise ValueError(f"PeerMemory handles at most {MAX_RANKS} ranks, not {self.size}")
         self.device = cupy.cuda.Device().id
         multiprocessors = rt.getDeviceProperties(self.device)["multiProcessorCount"]
-        self.max_blocks = min(STREAM_SLOT, multiprocessors, blocks or multiprocessors)  # fewer: SMs left over
+        # fewer: SMs left over. The same on every rank: block b meets only block b of its peers, and reads the
+        # packs that their block b wrote (a rank with a larger grid would read slots nobody filled).
+        self.max_blocks = min(mpi_comm.allgather(min(STREAM_SLOT, multiprocessors, blocks or multiprocessors)))
         line = 2 * PACK * LINE_PACKS * self.size      # (two_shot's two areas: p whole cache lines each, at least)
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
