@@ -54,7 +54,7 @@ from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.layers import mappings  # noqa: E402
 from tplab.overlap import without_communication  # noqa: E402
 from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
-from tplab.overlap.shard_exchange import NullExchange  # noqa: E402
+from tplab.comm.shard_exchange import NullExchange  # noqa: E402
 from tplab.overlap.metrics import time_forwards  # noqa: E402
 
 WORLD = MPI.COMM_WORLD

@@ -14,7 +14,7 @@ from tplab.comm import world  # noqa: E402
 from tplab.models import GPT, GPTConfig  # noqa: E402
 from tplab.models.parallel import ParallelBlock  # noqa: E402
 from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
-from tplab.overlap.shard_exchange import MessageExchange, NullExchange  # noqa: E402
+from tplab.comm.shard_exchange import MessageExchange, NullExchange  # noqa: E402
 
 P, R = COMM.size, COMM.rank
 C = world(timeout=10)

@@ -1,4 +1,4 @@
-"""The agreement and the rules of the shard exchanges (tplab.overlap.shard_exchange and
+"""The agreement and the rules of the shard exchanges (tplab.comm.shard_exchange and
 tplab.gpu_collectives.copy_engine_exchange). Before a shard moves, every rank learns which call every rank
 is making (its name and number), every rank's shard shape and dtype, and any problem a rank found with its
 own arguments: bad input is the same error everywhere, instead of peers waiting for a shard that never comes."""
@@ -21,6 +21,18 @@ def agree_on_shards(allgather_object, what: str, call: int, shape, dtype, proble
                     ", ".join(f"rank {q}: {s} {d}" for q, (_, _, s, d, _) in enumerate(everyone)) + ")"]
     if problems:
         raise CollectiveArgumentError(f"{what}: " + "; ".join(problems))
+
+
+def out_problem(shard, out, size: int) -> str:
+    """What is wrong with start_gather's ``out`` (every rank's shard lands in out[q]), or "": it must be one
+    contiguous (p, *shard.shape) tensor of the shard's dtype, on its device."""
+    if out is None:
+        return ""
+    want = (size, *shard.shape)
+    if tuple(out.shape) != want or out.dtype != shard.dtype or out.device != shard.device or not out.is_contiguous():
+        return (f"out must be a contiguous {want} {shard.dtype} tensor on {shard.device}, not "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}{'' if out.is_contiguous() else ' (strided)'}")
+    return ""
 
 
 def check_send(q, exchange, sent, written) -> None:

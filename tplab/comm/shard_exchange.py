@@ -10,6 +10,9 @@ both collectives into their p shards and each shard can move while another shard
         y[rows of q] = gathered.shard(q) @ W      # waits for shard q only
     gathered.done()
 
+    exchange.start_gather(x_shard, out=all_shards).done()   # an all-gather: shard q lands in all_shards[q]
+                                                            # ((p, *shard.shape), contiguous; mine copied in)
+
     scatter = exchange.start_scatter(like)        # like: one shard's shape and dtype
     for q in peers:                               # each peer's rows first, then mine
         W_q(scatter.out_for(q))                   # write rank q's partial where the exchange wants it
@@ -39,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from tplab.comm.base import Unsupported
-from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send
+from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send, out_problem
 
 FIRST_TAG, TAGS = 1000, 30000  # call n's messages carry tag FIRST_TAG + n % TAGS: no call takes another's
 
@@ -80,10 +83,12 @@ class MessageExchange:
         """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
         self._agree(what, torch.empty(0) if like is None else like, problem)
 
-    def start_gather(self, shard: torch.Tensor) -> "MessageGather":
-        tag = self._agree("start_gather", shard)
+    def start_gather(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> "MessageGather":
+        tag = self._agree("start_gather", shard, out_problem(shard, out, self.size))
         shard = shard.contiguous()
-        landed = {q: torch.empty_like(shard) for q in self._peers()}
+        if out is not None:
+            out[self.rank].copy_(shard)
+        landed = {q: torch.empty_like(shard) if out is None else out[q] for q in self._peers()}
         receives = {q: self.comm.irecv(_bytes(buf), q, tag) for q, buf in landed.items()}
         sends = [self.comm.isend(_bytes(shard), q, tag) for q in self._peers()]
         self._in_flight.append(MessageGather(self, shard, landed, receives, sends))
@@ -157,7 +162,9 @@ class NullExchange:
     def __init__(self, rank: int, size: int):
         self.rank, self.size, self._slots = rank, size, {}
 
-    def start_gather(self, shard):
+    def start_gather(self, shard, out=None):
+        if out is not None:
+            out.copy_(shard.expand(self.size, *shard.shape))
         return _NullGather(self.rank, self.size, shard)
 
     def start_scatter(self, like):

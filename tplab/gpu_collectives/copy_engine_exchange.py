@@ -1,5 +1,5 @@
 """CopyEngineExchange: token shards moved between the GPUs of one node by the copy engines, for the GEMMs
-that consume and produce them (tplab.overlap.shard_exchange describes the contract, tplab.overlap.async_tp
+that consume and produce them (tplab.comm.shard_exchange describes the contract, tplab.overlap.async_tp
 uses it).
 
 Why copy engines: NCCL's collectives and tplab's peer kernels move data with SMs, and every SM they hold is
@@ -15,7 +15,9 @@ between calls (a call writes a half only when the call before last is over every
     start_gather(x):   side stream: copy x into my half, barrier with every peer ("all published"),
                        then p-1 side streams pull every peer's shard into a local tensor, one event each.
                        The caller's stream goes on at once with my own shard and waits, shard by shard,
-                       only for the event of the shard it needs next.
+                       only for the event of the shard it needs next. ``start_gather(x, out=all)``: the
+                       peers' shards land in all[q] (one contiguous (p, ...) tensor; mine copied to all[r]):
+                       an all-gather that no SM moves (tplab.sequence.gather.exchange_allgather_first_dim).
     out_for(q), send(q):  the GEMM writes rank q's partial into a local tensor, then a side stream pushes
                        it into slot r of rank q's half with a copy engine. With ``pushes="gemm"`` the GEMM
                        writes it straight into that slot, over NVLink, tile by tile (SMs store it; no copy).
@@ -39,7 +41,7 @@ for ">= its number"); a scatter finished before the next starts. After an error 
 
 from __future__ import annotations
 
-from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send
+from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send, out_problem
 from tplab.gpu_collectives.copy_engine import MEMCPY_DEVICE_TO_DEVICE, StreamBarriers
 from tplab.gpu_collectives.peer_memory import PeerMemory
 
@@ -126,13 +128,15 @@ class CopyEngineExchange:
                            "exchange cannot go on safely; make a new CopyEngineExchange")
         self._open.clear()
 
-    def start_gather(self, shard) -> "CopyEngineGather":
+    def start_gather(self, shard, out=None) -> "CopyEngineGather":
         import torch
 
-        self._check(shard, "start_gather")
+        self._check(shard, "start_gather", out_problem(shard, out, self.size))
         if "gather" in self._open:
             self._open.pop("gather").done()                              # (the halves' rule needs it)
         shard = shard.contiguous()
+        if out is not None:                                              # an all-gather: every shard lands in out
+            out[self.rank].copy_(shard)
         nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
         self.gathers += 1
         self.publisher.wait_stream(self._stream)                         # the shard has been computed
@@ -144,7 +148,7 @@ class CopyEngineExchange:
         landed, events = {}, {}
         for q, stream in zip(self._peers(), self.pullers):
             stream.wait_event(published)
-            landed[q] = torch.empty_like(shard)
+            landed[q] = torch.empty_like(shard) if out is None else out[q]
             _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream,
                   self.piece)
             landed[q].record_stream(stream)

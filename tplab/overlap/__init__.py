@@ -20,7 +20,7 @@
     metrics.py            exposed communication and hidden fraction; overlap_sweep over chunk counts
                           (optionally timed as CUDA graph replays: captured); pipeline_model
     experiments.py        notebook 06's experiments on a small TP block (run on every rank)
-    shard_exchange.py     moving token shards under GEMMs: MessageExchange (point-to-point), NullExchange
+    (tplab.comm.shard_exchange: moving token shards under GEMMs -- MessageExchange, NullExchange)
     async_tp.py           AsyncTPBlock: a block on sequence shards whose all-gathers and reduce-scatters move
                           shard by shard under its GEMMs (async tensor parallelism; forward only)
 

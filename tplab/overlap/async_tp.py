@@ -5,7 +5,7 @@ the token shards before the column-parallel GEMMs (QKV, the MLP's up-projection)
 after the row-parallel ones (the output projection, the down-projection) -- the same bytes as the plain
 block's two all-reduces. Here neither is a step of its own. Each is cut into its p shards (the
 "collective matmul" decomposition of Wang et al., ASPLOS 2023; PyTorch's async-TP), and every shard
-moves while the GEMM of another shard runs (tplab.overlap.shard_exchange moves them):
+moves while the GEMM of another shard runs (tplab.comm.shard_exchange moves them):
 
     attention half, rank r of p (rows of q = the tokens rank q holds between layers):
       QKV of my rows               | shards of r+1, r+2, ... arriving

@@ -89,7 +89,7 @@ def check_async_tp(layers=2, **shape) -> dict:
     from torch import nn
 
     from tplab.overlap.async_tp import AsyncTPBlock, my_rows
-    from tplab.overlap.shard_exchange import MessageExchange
+    from tplab.comm.shard_exchange import MessageExchange
 
     comm = world()
     blocks = [make_block(dtype=torch.float64, seed=seed, **shape)[0] for seed in range(layers)]
