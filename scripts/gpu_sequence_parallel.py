@@ -17,6 +17,8 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     direct_nccl   NCCL's own all-gather (ncclAllGather) through the same communicator: the vendor
     direct_peer   tplab's peer-memory all-gather (tplab.gpu_collectives.peer_memory: CUDA IPC, flags in GPU memory,
                   every peer read at once in one kernel)
+    direct_copy_engine  K and V pulled by the copy engines (CopyEngineExchange: no SM), for the all-gather scheme
+                  (with head groups: next to the attention) and the streamed K/V scheme
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
 fused kernel that returns the block's log-sum-exp (FlashAttention in bf16) and moves the blocks on a second CUDA
@@ -64,7 +66,13 @@ import tplab  # noqa: E402
 from tplab.comm import world  # noqa: E402
 from tplab.cost.sequence_parallel import attention_bytes  # noqa: E402
 from tplab.sequence import SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
-from tplab.sequence.gather import from_host, staged_allgather_first_dim, to_host  # noqa: E402
+from tplab.sequence.gather import (  # noqa: E402
+    exchange_allgather_first_dim,
+    from_host,
+    staged_allgather_first_dim,
+    to_host,
+)
+from tplab.sequence.online_softmax import OnlineSoftmax  # noqa: E402
 from tplab.sequence.scaling import make_block, make_input  # noqa: E402
 from tplab.toolkit.machine import mpi_library  # noqa: E402
 from tplab.toolkit.timing import time_calls  # noqa: E402
@@ -157,9 +165,36 @@ def peer_gather(peers):
     return gather
 
 
-def paths_here(host, nccl, nccl_problem, schemes, device, peers=None):
+def copy_engine_gather(main, side):
+    """The all-gather K/V scheme's ``gather`` through the copy engines: ``main`` on the compute stream (one head
+    group), ``side`` on the head groups' side stream (a CopyEngineExchange serves one stream)."""
+    def gather(x, comm):
+        on_side = torch.cuda.current_stream() != torch.cuda.default_stream()
+        return exchange_allgather_first_dim(x, comm, side if on_side else main)
+    return gather
+
+
+def null_gather(rank, size):
+    """A ``gather`` that moves nothing (every block is this rank's own): the scheme's compute alone."""
+    from tplab.comm.shard_exchange import NullExchange
+
+    return partial(exchange_allgather_first_dim, exchange=NullExchange(rank, size))
+
+
+def message_exchange(host):
+    from tplab.comm.shard_exchange import MessageExchange
+
+    return MessageExchange(host)
+
+
+OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups"}, "streamed_kv": {"exchange"}}  # what each takes
+
+
+def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=None):
     """(name, transport description, communicator, scheme options, schemes it runs, whether tplab's counters
-    see its bytes: a library's own collective does not go through them)."""
+    see its bytes: a library's own collective does not go through them). ``exchange``: a CopyEngineExchange
+    for the streamed K/V scheme."""
+    messages = set(schemes) - {"streamed_kv"}  # (streamed K/V moves GPU memory through an exchange only)
     staged = "GPU->host copy (tensor.cpu()), {} on host memory over MPI, host->GPU copy"
     paths = [("staged_ring", staged.format("tplab ring all-gather"), host,
               {"gather": partial(staged_allgather_first_dim, algorithm="ring", check=False)}, {"allgather_kv"}, True),
@@ -168,15 +203,29 @@ def paths_here(host, nccl, nccl_problem, schemes, device, peers=None):
               False)]
     if nccl is not None:
         paths += [("direct_ring", "tplab ring over tplab.comm.nccl (NCCL send/recv, GPU to GPU)", nccl,
-                   {"algorithm": "ring"}, set(schemes), True),
+                   {"algorithm": "ring"}, messages, True),
                   ("direct_nccl", "ncclAllGather through tplab.comm.nccl (the vendor's collective)", nccl,
                    {"algorithm": "builtin"}, {"allgather_kv"}, False)]
         if peers is not None:
             paths += [("direct_peer", "tplab peer-memory all-gather (CUDA IPC, flags in GPU memory, one kernel)",
                        nccl, {"gather": peer_gather(peers)}, {"allgather_kv"}, False)]
+        if exchange is not None:
+            from tplab.comm.shard_exchange import NullExchange
+
+            paths += [("direct_copy_engine", "tplab CopyEngineExchange (CUDA IPC; the copy engines pull every peer's "
+                       "block over NVLink, no SM; the GPU waits on events)", nccl,
+                       {"exchange": exchange[0], "gather": copy_engine_gather(*exchange)}, {"allgather_kv", "streamed_kv"},
+                       False),
+                      ("compute_only", "NullExchange: nothing moves, every block is this rank's own (values wrong "
+                       "by design): the scheme's compute alone", nccl, {"exchange": NullExchange(host.rank, host.size),
+                                                                          "gather": null_gather(host.rank, host.size)},
+                       {"allgather_kv", "streamed_kv"}, False)]
     elif device == "cpu":  # the dry run walks the direct path's code with host MPI standing in for NCCL
-        paths += [("direct_ring", "tplab ring over host MPI (CPU dry run)", host, {"algorithm": "ring"}, set(schemes),
-                   True)]
+        paths += [("direct_ring", "tplab ring over host MPI (CPU dry run)", host, {"algorithm": "ring"}, messages,
+                   True),
+                  ("direct_messages", "MessageExchange over host MPI (CPU dry run)", host,
+                   {"gather": partial(exchange_allgather_first_dim, exchange=message_exchange(host))},
+                   {"allgather_kv", "streamed_kv"}, False)]
     if nccl is None:
         paths += [("direct_vendor", f"torch.distributed NCCL all_gather_into_tensor (tplab.comm.nccl: {nccl_problem})",
                    host, {"gather": torch_distributed_allgather(host, device)}, {"allgather_kv"}, False)]
@@ -242,8 +291,10 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
             if scheme == "ulysses" and args.heads % p:
                 log(f"  skip ulysses: {args.heads} heads over {p} ranks")
                 continue
-            options = dict(base_options) if scheme == "allgather_kv" else {}
+            options = {key: value for key, value in base_options.items() if key in OPTIONS.get(scheme, ())}
             name, transport = base_name, base_transport
+            if args.eager_merge and args.device == "cuda" and scheme in ("ring", "streamed_kv"):
+                name, transport = f"{name}_eager", f"{transport}; each merge as eager passes"
             if groups is not None:
                 options["head_groups"] = groups
                 if groups > 1:  # a variant of the path: its own name, so that each row's (scheme, path) is unique
@@ -275,7 +326,7 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     return rows
 
 
-def component_rows(host, nccl, vendor, dtype_name, args):
+def component_rows(host, nccl, vendor, dtype_name, args, peers=None, exchange=None):
     """The pieces of one K (or V) all-gather at the strong configuration: what the cost model adds up."""
     p, dtype = host.size, DTYPES[dtype_name]
     shard_gpu = torch.randn(args.batch, args.seq // p, args.hidden, device=args.device).to(dtype)  # (b, s/p, h)
@@ -291,6 +342,11 @@ def component_rows(host, nccl, vendor, dtype_name, args):
                                                                      check=False))]
     elif vendor is not None:
         pieces += [("direct_vendor_allgather", lambda: vendor(shard_gpu, host))]
+    if peers is not None:
+        pieces += [("peer_memory_allgather", lambda: peers.allgather_torch(shard_gpu))]
+    if exchange is not None:  # (K and V stacked, as the streamed scheme sends them: twice the bytes)
+        both = torch.stack([shard_gpu, shard_gpu])
+        pieces += [("copy_engine_gather_kv", lambda: exchange.start_gather(both).done())]
     rows = []
     for name, fn in pieces:
         time_s, fastest = measure(fn, host, args)
@@ -323,14 +379,17 @@ def main():
                         help="where the CSVs go (default: build/gpu in the repository)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--modes", default="strong,weak")
-    parser.add_argument("--schemes", default="allgather_kv,ulysses,ring")
+    parser.add_argument("--schemes", default="allgather_kv,ulysses,ring,streamed_kv")
     parser.add_argument("--weak-schemes", default="allgather_kv", help="schemes also run in weak scaling")
     parser.add_argument("--paths", default="all",
                         help="comma-separated paths to run (staged_ring, staged_mpi, direct_ring, direct_nccl, "
-                             "direct_peer, direct_vendor), or all")
+                             "direct_peer, direct_copy_engine, direct_vendor), or all")
     parser.add_argument("--head-groups", default="1",
                         help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped "
                              "(1: as it was)")
+    parser.add_argument("--eager-merge", action="store_true",
+                        help="ring and streamed K/V: each online-softmax merge as eager passes, not the default "
+                             "torch.compile'd kernel (the rows' path gets the suffix _eager)")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--seq", type=int, default=4096)
@@ -343,6 +402,7 @@ def main():
     parser.add_argument("--watchdog", type=float, default=300.0, help="seconds before a stuck config aborts")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
+    OnlineSoftmax.compiled_merge = not args.eager_merge
     args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
     args.head_groups = [int(g) for g in args.head_groups.split(",")]
     if any(g < 1 or args.heads % g for g in args.head_groups):  # (the layer has as many K/V heads as heads)
@@ -362,7 +422,17 @@ def main():
                                args.batch * args.seq * args.hidden * 4)
         except Exception as e:  # noqa: BLE001 - reported; the other paths still run
             log(f"  direct_peer skipped: {type(e).__name__}: {e}")
-    paths = paths_here(host, nccl, problem, args.schemes, args.device, peers)
+    exchange = None
+    if nccl is not None and host.size > 1:
+        try:                                          # one rank's K and V, stacked: strong (or weak) scaling, fp32
+            from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange
+
+            per_rank = args.seq if "weak" in args.modes else args.seq // host.size  # tokens per rank at most
+            exchange = [CopyEngineExchange(host.mpi if hasattr(host, "mpi") else MPI.COMM_WORLD,   # compute stream,
+                                           2 * args.batch * per_rank * args.hidden * 4) for _ in "ms"]  # side stream
+        except Exception as e:  # noqa: BLE001 - reported; the other paths still run
+            log(f"  direct_copy_engine skipped: {type(e).__name__}: {e}")
+    paths = paths_here(host, nccl, problem, args.schemes, args.device, peers, exchange)
     if args.paths != "all":
         chosen = args.paths.split(",")
         log(f"  paths here: {[path[0] for path in paths]}; running {[c for c in chosen if c in [q[0] for q in paths]]}")
@@ -392,7 +462,7 @@ def main():
         if args.device == "cuda":
             torch.cuda.empty_cache()
         if not args.no_components and host.size > 1:
-            rows += component_rows(host, nccl, vendor, dtype_name, args)
+            rows += component_rows(host, nccl, vendor, dtype_name, args, peers, exchange and exchange[0])
     faulthandler.cancel_dump_traceback_later()
     if host.rank == 0:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
 """Sequence parallelism's overlapped paths on GPUs. attend_with_lse's fused kernels (FlashAttention in bf16, the
 memory-efficient kernel in float32) against the exact computation, causal masks aligned to the lower right;
 ring attention (its transfers on a side stream) and the all-gather of K/V in head groups (its gathers on a side
-stream), over tplab.comm.nccl, against the unsplit layer on one GPU."""
+stream), over tplab.comm.nccl, streamed K/V and the head groups' gathers through the copy engines
+(CopyEngineExchange), against the unsplit layer on one GPU."""
 
 import warnings
+from functools import partial
 
 from gputest import require_gpu
 
@@ -15,14 +17,24 @@ import torch  # noqa: E402
 from mpitest import COMM, agree  # noqa: E402
 
 from tplab.comm import nccl_world  # noqa: E402
+from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange  # noqa: E402
 from tplab.layers.attend import attend_with_lse  # noqa: E402
-from tplab.sequence import LAYOUTS, SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
+from tplab.sequence import (  # noqa: E402
+    LAYOUTS,
+    SequenceParallelBlock,
+    exchange_allgather_first_dim,
+    shard,
+    unsplit_layer,
+)
 from tplab.sequence.scaling import make_block, make_input  # noqa: E402
 
 P, RANK = COMM.size, COMM.rank
 NCCL = nccl_world()
 torch.cuda.set_device(cupy.cuda.Device().id)  # the GPU NCCL's communicator chose for this rank
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # relative to the largest output
+# (collective: made once, used by every test here; every call of an exchange on one stream -- the compute
+# stream for streamed K/V and a gather of one head group, the side stream for head groups)
+EXCHANGE, SIDE_EXCHANGE = CopyEngineExchange(COMM, 1 << 20), CopyEngineExchange(COMM, 1 << 20)
 
 
 def relative_error(got, want) -> float:
@@ -49,15 +61,43 @@ def test_the_fused_kernels_give_attention_and_its_log_sum_exp(causal, s_q, s_k, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ring_and_head_groups_on_side_streams_equal_the_unsplit_layer(causal, layout, dtype):
+def test_ring_head_groups_and_streamed_kv_equal_the_unsplit_layer(causal, layout, dtype):
     block = make_block(64, 8, dtype=dtype, seed=0).cuda()  # made on the CPU: the same weights on every rank
     x = make_input(2, 32 * P, 64, dtype=dtype, seed=1).cuda()  # (b, s, h)
     with torch.no_grad():
         expected = shard(unsplit_layer(block, causal=causal)(x), RANK, P, layout)
         for scheme, options in [("ring", {}), ("allgather_kv", {"head_groups": 4}),
-                                ("allgather_kv", {"head_groups": 8, "algorithm": "builtin"})]:
+                                ("allgather_kv", {"head_groups": 8, "algorithm": "builtin"}),
+                                ("streamed_kv", {"exchange": EXCHANGE}),
+                                ("allgather_kv", {"gather": partial(exchange_allgather_first_dim, exchange=EXCHANGE)}),
+                                ("allgather_kv", {"head_groups": 4,
+                                                  "gather": partial(exchange_allgather_first_dim,
+                                                                    exchange=SIDE_EXCHANGE)})]:
             layer = SequenceParallelBlock(block, NCCL, scheme=scheme, layout=layout, causal=causal, **options)
             for _ in range(3):  # again and again: memory freed on one stream and reused on the other
                 y = layer(shard(x, RANK, P, layout))
             error = relative_error(y, expected)
             agree(error < TOLERANCE[dtype], f"{scheme} {options}: {error:.2e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_compiled_merge_equals_the_eager_merge(dtype, monkeypatch):
+    """The online softmax's merge as one torch.compile'd kernel (the GPU default) and as eager passes."""
+    from tplab.sequence.online_softmax import OnlineSoftmax
+
+    generator = torch.Generator(device="cuda").manual_seed(RANK)
+    q = torch.randn(2, 4, 96, 64, device="cuda", generator=generator).to(dtype)
+    blocks = [tuple(torch.randn(2, 2, 64, 64, device="cuda", generator=generator).to(dtype) for _ in range(2))
+              for _ in range(3)]
+    results = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(OnlineSoftmax, "compiled_merge", compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a compiler failure (the eager fallback warns) fails here
+            acc = OnlineSoftmax(q)
+            for k, v in blocks:
+                acc.update(q, k, v)
+        results[compiled] = (acc.out, acc.lse)
+    (out_c, lse_c), (out_e, lse_e) = results[True], results[False]
+    agree(float((out_c - out_e).abs().max()) < 1e-5 and float((lse_c - lse_e).abs().max()) < 1e-5,
+          f"out {float((out_c - out_e).abs().max()):.2e}, lse {float((lse_c - lse_e).abs().max()):.2e}")

@@ -85,14 +85,20 @@ def test_gradients_equal_full_attention(scheme, causal, layout):
               f"{scheme}: d{name} differs by {(part.grad - mine(full.grad, layout)).abs().max():.2e}")
 
 
-def test_ring_attention_refuses_gradients_and_counts_causal_work():
+@pytest.mark.parametrize("scheme", ["ring", "streamed_kv"])
+def test_block_schemes_refuse_gradients_and_count_causal_work(scheme):
     q, k, v = qkv(2 * P, seq_chunks=2, seed=20)
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        ring_attention(q.requires_grad_(), k, v, C, check=False)
-    q.requires_grad_(False)
+    for grads in ((q,), (k, v)):
+        for t in grads:
+            t.requires_grad_()
+        with pytest.raises(NotImplementedError, match="forward-only"):
+            SCHEMES[scheme](q, k, v, C, check=False)  # (before any message: no rank waits for another)
+        for t in grads:
+            t.requires_grad_(False)
     for layout in LAYOUTS:
         stats = {}
-        ring_attention(mine(q, layout), mine(k, layout), mine(v, layout), C, causal=True, layout=layout, stats=stats)
+        SCHEMES[scheme](mine(q, layout), mine(k, layout), mine(v, layout), C, causal=True, layout=layout,
+                        stats=stats)
         want = causal_work(q.shape[2], P, layout)[RANK]
         agree(stats["scores"] == want, f"{layout}: scored {stats['scores']} pairs, causal_work says {want}")
     agree(len(set(causal_work(4 * P, P, "zigzag"))) == 1, "zig-zag work is not the same on every rank")

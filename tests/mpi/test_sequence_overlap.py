@@ -1,6 +1,8 @@
 """Overlapped sequence parallelism equals the unsplit computation (float64, ~1e-12): the all-gather of K/V
 in head groups (scheme and layer, forward and backward), ring attention's (out, lse) merges (the online
-softmax in any block order, the layer); bad head_groups is the same ValueError on every rank."""
+softmax in any block order, the layer; streamed K/V over a shard exchange); bad head_groups is the same ValueError on every rank."""
+
+from functools import partial
 
 import pytest
 from mpitest import COMM, agree
@@ -8,6 +10,7 @@ from mpitest import COMM, agree
 torch = pytest.importorskip("torch")
 
 from tplab.comm import world  # noqa: E402
+from tplab.comm.shard_exchange import MessageExchange  # noqa: E402
 from tplab.cost import attention_bytes, attention_messages  # noqa: E402
 from tplab.layers.attend import attend  # noqa: E402
 from tplab.models.gpt import Block, GPTConfig  # noqa: E402
@@ -16,6 +19,7 @@ from tplab.sequence import (  # noqa: E402
     SequenceParallelBlock,
     SequenceParallelError,
     allgather_kv_attention,
+    exchange_allgather_first_dim,
     shard,
     unsplit_layer,
 )
@@ -68,6 +72,42 @@ def test_head_groups_give_full_attention_and_its_gradients_with_the_same_bytes(c
         agree(torch.allclose(part.grad, want, **TOL), f"d{name} " + differs(part.grad, want))
 
 
+@pytest.mark.parametrize("head_groups", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_groups_through_a_shard_exchange_give_full_attention_and_its_gradients(layout, head_groups):
+    """The gather of a shard exchange (on GPUs: the copy engines'), every block landing in place: the same
+    attention, the same bytes (counted on the exchange's communicator), gradients through the reduce-scatter."""
+    exchange = MessageExchange(C, duplicate=False)  # (on C itself: its counters count the bytes)
+    gather = partial(exchange_allgather_first_dim, exchange=exchange)
+    q, k, v = (t.requires_grad_() for t in qkv(seed=5))
+    full = attend(q, k, v, causal=True)
+    full.pow(2).sum().backward()
+    parts = [mine(t.detach(), layout).requires_grad_() for t in (q, k, v)]
+    C.reset_counters()
+    out = allgather_kv_attention(*parts, C, causal=True, layout=layout, head_groups=head_groups, gather=gather)
+    agree(torch.allclose(out, mine(full, layout), **TOL), differs(out, mine(full, layout)))
+    b, n, s, d = q.shape
+    bytes_formula = attention_bytes("allgather_kv", b, s, n * d, P, kv_hidden=KV_HEADS * d, bytes_per_element=8)
+    agree(C.bytes_sent == bytes_formula, f"sent {C.bytes_sent} B, formula {bytes_formula} B")
+    out.pow(2).sum().backward()
+    for name, whole, part in zip("qkv", (q, k, v), parts):
+        want = mine(whole.grad, layout)
+        agree(torch.allclose(part.grad, want, **TOL), f"d{name} " + differs(part.grad, want))
+
+
+def test_start_gather_refuses_a_bad_out_on_every_rank():
+    from tplab.collectives import CollectiveArgumentError
+
+    exchange = MessageExchange(C)
+    shard = torch.full((3, 2), float(RANK), dtype=torch.float64)
+    bad = torch.empty((P, 3, 2), dtype=torch.float32 if RANK == 0 else torch.float64)  # rank 0's dtype is wrong
+    with pytest.raises(CollectiveArgumentError, match="rank 0: out must be"):
+        exchange.start_gather(shard, out=bad)
+    good = torch.empty((P, 3, 2), dtype=torch.float64)
+    exchange.start_gather(shard, out=good).done()  # (the exchange still works after a refused call)
+    agree(all(bool((good[q] == q).all()) for q in range(P)), f"gathered {good[:, 0, 0].tolist()}")
+
+
 def llama_block():
     """RoPE (rotations by global positions), GQA, SwiGLU, RMSNorm: every way the layer can be split wrong."""
     torch.manual_seed(1)  # the same weights on every rank
@@ -82,11 +122,13 @@ def test_the_layer_with_head_groups_or_the_ring_equals_the_unsplit_layer(causal,
     x = randn(2, 4 * P, 32, seed=2)  # (b, s, h)
     with torch.no_grad():
         expected = shard(unsplit_layer(block, causal=causal)(x), RANK, P, layout)
+        exchange = MessageExchange(C)  # (one exchange for several layers' calls, on a duplicate of C)
         for scheme, options in [("allgather_kv", {"head_groups": 2}), ("allgather_kv", {"head_groups": 4}),
-                                ("ring", {})]:
-            y = SequenceParallelBlock(block, C, scheme=scheme, layout=layout, causal=causal, **options)(
-                shard(x, RANK, P, layout))
-            agree(torch.allclose(y, expected, **TOL), f"{scheme} {options}: " + differs(y, expected))
+                                ("ring", {}), ("streamed_kv", {}), ("streamed_kv", {"exchange": exchange})]:
+            layer = SequenceParallelBlock(block, C, scheme=scheme, layout=layout, causal=causal, **options)
+            for _ in range(2):  # (a second call through the same exchange)
+                y = layer(shard(x, RANK, P, layout))
+                agree(torch.allclose(y, expected, **TOL), f"{scheme} {options}: " + differs(y, expected))
 
 
 def test_the_layers_weight_gradients_with_head_groups_sum_to_the_unsplit_ones():

@@ -7,6 +7,7 @@ h_kv = n_kv·d (= h without GQA), e bytes per element:
     allgather_kv   2 (p-1)/p · b·s·h_kv·e             2 (p-1)       2·b·s·h_kv·e          (all of it)
     ring           2 (p-1)/p · b·s·h_kv·e             p - 1         3 · 2·b·(s/p)·h_kv·e  (mine, now, next)
     ulysses        (p-1)/p² · b·s·(2h + 2h_kv)·e       4 (p-1)       2·b·s·(h_kv/p)·e      (all tokens, my heads)
+    streamed_kv    2 (p-1)/p · b·s·h_kv·e             p - 1         2·b·s·h_kv·e          (every block lands)
     tensor parallel (for comparison): 2 all-reduces of b·s·h per layer: 4 (p-1)/p · b·s·h·e
 
 (ring all-gather, ring attention carrying k and v in one message, pairwise all-to-all: what tplab runs
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from tplab.cost.tensor_parallel import _positive_int, _positive_number
 
-SCHEMES = ("allgather_kv", "ring", "ulysses")
+SCHEMES = ("allgather_kv", "ring", "ulysses", "streamed_kv")
 
 
 def _check(scheme, batch, seq_len, hidden, p, kv_hidden, bytes_per_element):
@@ -42,20 +43,21 @@ def attention_bytes(scheme, batch, seq_len, hidden, p, *, kv_hidden=None, bytes_
     # (multiply first, divide last: exact whenever the counts divide, as they must for the schemes to run)
     if scheme == "ulysses":
         return (p - 1) * tokens * (2 * hidden + 2 * h_kv) * e / p**2
-    return 2 * (p - 1) * tokens * h_kv * e / p  # all-gather of K and V, or K/V blocks around the ring
+    return 2 * (p - 1) * tokens * h_kv * e / p  # all-gather of K and V, or K/V blocks (around the ring)
 
 
 def attention_messages(scheme, p) -> int:
     """Messages one rank sends in one attention forward."""
     _check(scheme, 1, 1, 1, p, None, 1)
-    return {"allgather_kv": 2 * (p - 1), "ring": p - 1, "ulysses": 4 * (p - 1)}[scheme]
+    return {"allgather_kv": 2 * (p - 1), "ring": p - 1, "ulysses": 4 * (p - 1), "streamed_kv": p - 1}[scheme]
 
 
 def kv_memory(scheme, batch, seq_len, hidden, p, *, kv_hidden=None, bytes_per_element=4) -> float:
     """Bytes of keys and values one rank holds at the peak of the scheme (the table above)."""
     h_kv = _check(scheme, batch, seq_len, hidden, p, kv_hidden, bytes_per_element)
     both = 2 * batch * seq_len * h_kv * bytes_per_element  # K and V of the whole sequence
-    return {"allgather_kv": both, "ring": 3 * both / p if p > 1 else both, "ulysses": both / p}[scheme]
+    return {"allgather_kv": both, "ring": 3 * both / p if p > 1 else both, "ulysses": both / p,
+            "streamed_kv": both}[scheme]
 
 
 def causal_work(seq_len, p, layout="contiguous") -> list[float]:

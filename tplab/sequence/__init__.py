@@ -8,6 +8,8 @@
     online_softmax.py  softmax over key blocks that arrive one by one (FlashAttention's recurrence), merged
                        through each block's log-sum-exp
     ring.py            ring attention: K/V blocks passed around, next transfer started before compute
+    streamed_kv.py     every rank's K/V block sent to every rank at once (a shard exchange: messages, or the
+                       GPUs' copy engines), each folded into the online softmax as soon as it lands
     streams.py         a second CUDA stream for the transfers, so they overlap the compute (nothing on the CPU)
     ulysses.py         DeepSpeed Ulysses: all-to-all tokens <-> heads (tplab.collectives.alltoall)
     checks.py          bad input: the same clear error on every rank
@@ -27,15 +29,17 @@ Every scheme takes this rank's q (b, n, s/p, d), k, v (b, n_kv, s/p, d) and retu
     allgather_kv  2 (p-1)/p · b s h_kv              O(s)            yes         -
     ring          2 (p-1)/p · b s h_kv              O(s/p)          no          -
     ulysses       (p-1)/p² · b s (2h + 2h_kv)       O(s)·n/p heads  yes         heads divisible by p
+    streamed_kv   2 (p-1)/p · b s h_kv              O(s)            no          -
 (tplab.cost.sequence_parallel has the formulas; the Communicator counts the real bytes.)
 """
 
 from tplab.sequence.allgather_kv import allgather_kv_attention, attend_local
 from tplab.sequence.checks import SequenceParallelError
-from tplab.sequence.gather import gather_sequence, staged_allgather_first_dim
+from tplab.sequence.gather import exchange_allgather_first_dim, gather_sequence, staged_allgather_first_dim
 from tplab.sequence.layer import SCHEMES, SequenceParallelBlock, unsplit_layer
 from tplab.sequence.layout import LAYOUTS, gathered_positions, positions, shard, to_global_order
 from tplab.sequence.ring import ring_attention
+from tplab.sequence.streamed_kv import streamed_kv_attention
 from tplab.sequence.ulysses import heads_to_sequence, sequence_to_heads, ulysses_attention
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "SequenceParallelError",
     "allgather_kv_attention",
     "attend_local",
+    "exchange_allgather_first_dim",
     "gather_sequence",
     "gathered_positions",
     "heads_to_sequence",
@@ -53,6 +58,7 @@ __all__ = [
     "sequence_to_heads",
     "shard",
     "staged_allgather_first_dim",
+    "streamed_kv_attention",
     "to_global_order",
     "ulysses_attention",
     "unsplit_layer",

@@ -14,6 +14,10 @@ dimension; ``gather_sequence`` moves ``dim`` to the front, calls it, and moves i
                              GPU transport such as tplab.comm.nccl)
     staged_allgather_first_dim   the course project's path for a GPU without CUDA-aware MPI:
                              device -> host (tensor.cpu()) -> tplab.allgather over host MPI -> device
+    exchange_allgather_first_dim   through a shard exchange (tplab.comm.shard_exchange): on the GPUs of one
+                             node ``CopyEngineExchange``, whose copy engines pull every peer's block over
+                             NVLink without any SM, so that with ``head_groups`` the gathers run next to the
+                             attention without taking its multiprocessors
     anything else            e.g. the vendor's all-gather (scripts/gpu_sequence_parallel.py passes
                              torch.distributed's NCCL all_gather_into_tensor)
 """
@@ -35,6 +39,17 @@ def allgather_first_dim(x: torch.Tensor, comm, algorithm: str = "ring", check: b
     flat = tplab.allgather(bits, comm, algorithm=algorithm, check=check)
     gathered = flat.reshape(comm.size * x.shape[0], *x.shape[1:])
     return gathered.view(torch.bfloat16) if x.dtype == torch.bfloat16 else gathered
+
+
+def exchange_allgather_first_dim(x: torch.Tensor, comm, exchange) -> torch.Tensor:
+    """(m, ...) on each rank -> (p·m, ...) through ``exchange`` (a shard exchange): every rank's block
+    lands in place in one tensor; on a GPU the caller's stream waits for the copies, the host does not.
+    Pass it as ``gather=functools.partial(exchange_allgather_first_dim, exchange=...)``. With a
+    CopyEngineExchange every call must come from one stream: the head groups' side stream (head_groups > 1)
+    or the compute stream (head_groups = 1), not both."""
+    out = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
+    exchange.start_gather(x, out=out).done()
+    return out.view(comm.size * x.shape[0], *x.shape[1:])
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ mixes tokens:
 
     x (b, s/p, h)  my tokens
     ├─ norm1, K/V, then Q (RoPE)          local (per token; rotary angles from global positions)
-    ├─ attention                          the scheme: all-gather K/V | ring | Ulysses   <- the only comm
-    │                                     (the all-gather starts before Q is computed, to overlap it)
+    ├─ attention                          the scheme: all-gather K/V | ring | Ulysses | streamed K/V
+    │                                     <- the only comm (the all-gathers start before Q is computed)
     ├─ output projection, residual        local
     └─ norm2, MLP, residual               local (per token)
     y (b, s/p, h)  my tokens of the output
@@ -29,9 +29,12 @@ from torch import nn
 from tplab.sequence.allgather_kv import allgather_kv_attention, start_kv_gathers
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.ring import ring_attention
+from tplab.sequence.streamed_kv import start_streamed_kv, streamed_kv_attention
 from tplab.sequence.ulysses import ulysses_attention
 
-SCHEMES = {"allgather_kv": allgather_kv_attention, "ring": ring_attention, "ulysses": ulysses_attention}
+SCHEMES = {"allgather_kv": allgather_kv_attention, "ring": ring_attention, "ulysses": ulysses_attention,
+           "streamed_kv": streamed_kv_attention}
+STARTS = {"allgather_kv": start_kv_gathers, "streamed_kv": start_streamed_kv}  # K/V leave before Q is computed
 
 
 def attention_scheme(name: str):
@@ -42,9 +45,10 @@ def attention_scheme(name: str):
 
 class SequenceParallelBlock(nn.Module):
     """``block``: a ``tplab.models.gpt.Block`` (its modules are used, not copied). ``options`` go to the
-    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``; all: ``check``).
-    K and V are computed before Q: the all-gather K/V scheme starts moving them, and computes Q (on a GPU
-    with ``head_groups`` > 1: while they travel, allgather_kv.py)."""
+    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``; streamed K/V:
+    ``exchange``; all: ``check``). K and V are computed before Q: the all-gather and streamed K/V schemes
+    start moving them, and compute Q (on a GPU, where the transfers run on other streams or copy engines:
+    while they travel)."""
 
     def __init__(self, block: nn.Module, comm, *, scheme: str = "allgather_kv", layout: str = "contiguous",
                  causal: bool = True, **options):
@@ -58,10 +62,10 @@ class SequenceParallelBlock(nn.Module):
         b, s_local, _ = x.shape
         k = self.rotated(a.k_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2))  # (b, n_kv, s/p, d)
         v = a.v_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)
-        if self.scheme == "allgather_kv":  # K and V leave first; Q is computed while they travel
+        if self.scheme in STARTS:  # K and V leave first; Q is computed while they travel
             queries = torch.empty((b, a.n_head, s_local, a.head_dim), dtype=k.dtype, device="meta")  # q's shape
-            gathers = start_kv_gathers(k, v, self.comm, queries=queries, layout=self.layout, **self.options)
-            y = gathers.attend(self.queries(x), causal=self.causal)
+            travelling = STARTS[self.scheme](k, v, self.comm, queries=queries, layout=self.layout, **self.options)
+            y = travelling.attend(self.queries(x), causal=self.causal)
         else:
             y = self.attend(self.queries(x), k, v, self.comm, causal=self.causal, layout=self.layout, **self.options)
         return a.o_proj(y.transpose(1, 2).reshape(b, s_local, a.n_head * a.head_dim))  # (b, s/p, h)

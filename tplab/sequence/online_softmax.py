@@ -36,12 +36,20 @@ sums are; each block's out comes back in the inputs' dtype, as the kernel writes
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from tplab.layers.attend import attend_with_lse
 
 
 class OnlineSoftmax:
+    # True: on a GPU, each merge is one kernel that torch.compile makes of the formula (reads out and out_b
+    # once, writes out once) instead of two in-place passes over out (and three small ones over lse): the
+    # course project's bf16 layer on 4 GPUs, ring 6.78 -> 6.50 ms. Compiled once per shape (seconds, at the
+    # first call); where torch.compile fails (no Triton, no compiler), the eager passes, with a warning.
+    compiled_merge = True
+
     def __init__(self, q: torch.Tensor):  # q: (b, n, sq, d), the queries whose outputs we accumulate
         self.out_dtype = q.dtype
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -61,6 +69,14 @@ class OnlineSoftmax:
         if self.empty:  # the first block is the summary (the formula gives the same, with two more passes)
             self.out, self.lse, self.empty = out_b.to(self.out.dtype), lse_b, False
             return
+        if self.out.is_cuda and OnlineSoftmax.compiled_merge:
+            try:
+                self.out, self.lse = _compiled_merge()(self.out, self.lse, out_b, lse_b)
+                return
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the same formula, eagerly
+                OnlineSoftmax.compiled_merge = False
+                warnings.warn(f"OnlineSoftmax: torch.compile of the merge failed ({type(e).__name__}: {e}); "
+                              "merging eagerly from now on", RuntimeWarning, stacklevel=2)
         lse = torch.logaddexp(self.lse, lse_b)
         # in place, one pass each: out = exp(lse_old - lse)·out, then += exp(lse_b - lse)·out_b
         self.out.mul_(torch.exp(self.lse - lse).unsqueeze(-1)).addcmul_(out_b, torch.exp(lse_b - lse).unsqueeze(-1))
@@ -68,3 +84,18 @@ class OnlineSoftmax:
 
     def result(self) -> torch.Tensor:
         return self.out.to(self.out_dtype)  # (b, n, sq, d)
+
+
+def _merge(out, lse, out_b, lse_b):
+    new = torch.logaddexp(lse, lse_b)
+    return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
+
+
+_compiled = None
+
+
+def _compiled_merge():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_merge, dynamic=False)
+    return _compiled

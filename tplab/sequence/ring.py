@@ -54,11 +54,26 @@ def causal_relation(query_chunk: int, key_chunk: int) -> str:
     return "diagonal" if key_chunk == query_chunk else "future"
 
 
-def _refuse_gradients(*tensors) -> None:
+def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict) -> None:
+    """Fold one rank's keys and values ``kv`` (2, b, n_kv, s/p, d), the sequence chunks ``key_chunks``, into
+    the online softmax of each of my query chunks (``queries``: [(chunk index, (b, n, L, d)), ...]),
+    skipping chunk pairs entirely in the future; counts the query-key pairs scored in ``stats``."""
+    heads, length = queries[0][1].shape[1], queries[0][1].shape[2]
+    keys, values = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)  # (b, n, s/p, d)
+    for key_chunk, k_chunk, v_chunk in zip(key_chunks, keys.split(length, dim=2), values.split(length, dim=2)):
+        for (query_chunk, q_chunk), acc in zip(queries, softmax):
+            relation = causal_relation(query_chunk, key_chunk) if causal else "past"
+            if relation == "future":
+                continue  # every key is in every query's future: nothing to compute
+            acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal")
+            stats["scores"] += length * length / (2 if relation == "diagonal" else 1)
+
+
+def refuse_gradients(*tensors, scheme: str = "ring attention") -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("ring attention is forward-only here (its backward needs a second ring "
-                                  "carrying dK and dV): use torch.no_grad(), or the allgather_kv or "
-                                  "ulysses scheme for gradients")
+        raise NotImplementedError(f"{scheme} is forward-only here (its backward would send dK and dV back to "
+                                  "the blocks' owners): use torch.no_grad(), or the allgather_kv or ulysses "
+                                  "scheme for gradients")
 
 
 def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous", check: bool = True,
@@ -68,7 +83,7 @@ def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contigu
     ``stats`` (a dict, optional) accumulates what this rank did: ``scores`` (query-key pairs computed,
     per batch and head), ``compute_s`` and ``wait_s`` (seconds on the host clock: meaningful on the CPU;
     on a GPU the kernels run asynchronously)."""
-    _refuse_gradients(q, k, v)
+    refuse_gradients(q, k, v)
     if check:
         check_attention_inputs(q, k, v, comm, layout)
     p, rank = comm.size, comm.rank
@@ -93,15 +108,7 @@ def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contigu
                 #                     operations until a wait or test (tplab.comm.nccl) issues them now
             arrived = side.record()
         started = time.perf_counter()
-        keys, values = repeat_kv(kv[0], q.shape[1]), repeat_kv(kv[1], q.shape[1])  # (b, n, s/p, d)
-        for key_chunk, k_chunk, v_chunk in zip(my_chunks(owner, p, layout), keys.split(length, dim=2),
-                                               values.split(length, dim=2)):
-            for (query_chunk, q_chunk), acc in zip(queries, softmax):
-                relation = causal_relation(query_chunk, key_chunk) if causal else "past"
-                if relation == "future":
-                    continue  # every key is in every query's future: nothing to compute
-                acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal")
-                stats["scores"] += length * length / (2 if relation == "diagonal" else 1)
+        fold_block(softmax, queries, kv, my_chunks(owner, p, layout), causal=causal, stats=stats)
         stats["compute_s"] += time.perf_counter() - started
         if step < p - 1:
             started = time.perf_counter()

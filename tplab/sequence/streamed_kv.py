@@ -1,0 +1,88 @@
+"""All-gather K and V, and attend to each rank's block as soon as it lands: the ring's compute, the
+all-gather's wire.
+
+The all-gather scheme (allgather_kv.py) waits for every rank's K and V before its one attention call.
+Ring attention (ring.py) folds one block at a time into an online softmax, but a block reaches me only
+after it has passed every rank between its owner and me: p-1 transfers one after another, each waiting
+for the one before. Here every rank sends its block to every peer at once (a shard exchange: the same
+bytes as the all-gather), and my queries fold in the blocks in the order they are asked for -- mine
+first (it is here), then r+1, r+2, ... -- each as soon as it has landed:
+
+    gathered = exchange.start_gather(stack(k, v))   every block starts moving to every rank
+    (the layer computes Q here, while the blocks travel)
+    for owner in r, r+1, ..., r-1:
+        fold my queries against gathered.shard(owner) into the online softmax    (waits for that block only)
+    out = the merged attention of every block
+
+What travels and how is the exchange's business (tplab.comm.shard_exchange): ``MessageExchange`` sends
+isend/irecv messages (CPU ranks; the default, over the scheme's communicator), and on the GPUs of one node
+``tplab.gpu_collectives.CopyEngineExchange`` has the copy engines pull every peer's block over NVLink,
+with no SM taken from the attention, the GPU waiting on CUDA events, never the host.
+
+Bytes per rank: 2 (p-1)/p · b·s·h_kv, as the all-gather, in p-1 messages (k and v travel together).
+Memory: every block lands (O(s), as the all-gather). Causal masks and layouts as in ring attention
+(ring.fold_block). Forward only, like the ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tplab.sequence.checks import check_attention_inputs
+from tplab.sequence.layout import my_chunks
+from tplab.sequence.online_softmax import OnlineSoftmax
+from tplab.sequence.ring import fold_block, refuse_gradients
+
+
+class StreamedKV:
+    """Every rank's K and V on their way to every rank; ``attend(q)`` folds each block in as it lands.
+    Made by ``start_streamed_kv``."""
+
+    def __init__(self, k, v, comm, exchange, layout):
+        self.rank, self.size, self.layout = comm.rank, comm.size, layout
+        if exchange is None:
+            from tplab.comm.shard_exchange import MessageExchange, NullExchange
+
+            # this call's only, on comm itself (its counters count the bytes); one rank: nothing to move
+            exchange = MessageExchange(comm, duplicate=False) if comm.size > 1 else NullExchange(0, 1)
+        self.exchange = exchange
+        self.gathered = exchange.start_gather(torch.stack([k, v]))  # (2, b, n_kv, s/p, d): one block per rank
+
+    def attend(self, q, *, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
+        """My queries (b, n, s/p, d) against every rank's block  ->  (b, n, s/p, d)."""
+        refuse_gradients(q, scheme="streamed K/V attention")
+        stats = {} if stats is None else stats
+        stats.setdefault("scores", 0)
+        mine = my_chunks(self.rank, self.size, self.layout)
+        length = q.shape[2] // len(mine)
+        queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
+        softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
+        try:
+            for owner in self.gathered.order:  # mine first, then r+1, r+2, ...
+                fold_block(softmax, queries, self.gathered.shard(owner), my_chunks(owner, self.size, self.layout),
+                           causal=causal, stats=stats)
+        except BaseException:
+            self.exchange.abandon()  # (a peer that failed too never sends its block: do not wait for it)
+            raise
+        self.gathered.done()
+        return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
+
+
+def start_streamed_kv(k, v, comm, *, queries, layout: str = "contiguous", exchange=None,
+                      check: bool = True) -> StreamedKV:
+    """Start moving this rank's k, v (b, n_kv, s/p, d) to every rank. ``queries``: q, or a tensor of q's
+    shape and dtype on the meta device (the layer computes q while the blocks travel). ``exchange``: a
+    shard exchange (default: messages over ``comm``); ``check``: agree on the shapes first."""
+    refuse_gradients(k, v, scheme="streamed K/V attention")
+    if check:
+        check_attention_inputs(queries, k, v, comm, layout)
+    return StreamedKV(k, v, comm, exchange, layout)
+
+
+def streamed_kv_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous", exchange=None,
+                          check: bool = True, stats: dict | None = None) -> torch.Tensor:
+    """q (b, n, s/p, d), k, v (b, n_kv, s/p, d): this rank's tokens  ->  (b, n, s/p, d). ``stats``: the
+    query-key pairs this rank scored (``scores``, per batch row and head), as ring attention counts them."""
+    refuse_gradients(q, scheme="streamed K/V attention")
+    streamed = start_streamed_kv(k, v, comm, queries=q, layout=layout, exchange=exchange, check=check)
+    return streamed.attend(q, causal=causal, stats=stats)
