@@ -1,0 +1,38 @@
+"""Figures of notebook 05's reference section that reference_plots.py (its other figures) has no room for:
+
+    sp_floor(rows, dtype)     05: the layer on p GPUs per scheme and path, next to its compute with nothing moved
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from tplab.lab.plots import MAX_WIDTH, color_of
+
+
+def sp_floor(rows, dtype="bfloat16"):
+    """Rows of one scripts/gpu_sequence_parallel.py run at its largest p: each (scheme, path)'s time per layer
+    (bars, the scheme's colour), the ``compute_only`` paths hatched (a shard exchange that moves nothing: the
+    split layer's own compute), the unsplit layer's time / p as a grey line (every GPU busy, nothing exposed)."""
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype)]
+    layer = layer[layer.p == layer.p.max()].drop_duplicates(["scheme", "path"], keep="last")
+    # grouped by scheme (its fastest path first), within a scheme the floor first: the gap is the exposed part
+    layer = layer.assign(floor=~layer.path.str.startswith("compute_only"),
+                         fastest=layer.groupby("scheme").time_s.transform("min"))
+    layer = layer.sort_values(["fastest", "scheme", "floor", "time_s"], ascending=False)
+    p = int(layer.p.max())
+    fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.32 * len(layer) + 1.4), constrained_layout=True)
+    for y, row in enumerate(layer.itertuples()):
+        floor = row.path.startswith("compute_only")
+        ax.barh(y, row.time_s * 1e3, color=color_of(row.scheme), alpha=0.45 if floor else 0.9,
+                hatch="//" if floor else None, edgecolor="0.3" if floor else None)
+        ax.text(row.time_s * 1e3, y, f" {row.time_s * 1e3:.2f} ms ({row.speedup:.2f}x)", va="center", fontsize=8)
+    ideal = float(layer.unsplit_time_s.median()) / p * 1e3
+    ax.axvline(ideal, color="0.5", lw=1)
+    ax.text(ideal, -0.75, f" one GPU / {p} = {ideal:.2f} ms", color="0.4", fontsize=8, va="center")
+    ax.set_ylim(-1.1, len(layer) - 0.4)
+    ax.set_yticks(range(len(layer)), [f"{row.scheme} / {row.path}" for row in layer.itertuples()], fontsize=8)
+    ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs)", xlim=(0, layer.time_s.max() * 1e3 * 1.22),
+           title="where the layer's time goes: hatched = nothing moved (the compute's floor)")
+    ax.grid(alpha=0.3, axis="x")
+    return fig
