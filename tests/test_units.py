@@ -67,7 +67,11 @@ def test_ops():
 def test_peer_memory_kernels_ship_with_the_package():
     from importlib.resources import files
 
-    source = files("tplab.gpu_collectives").joinpath("peer_allreduce.cu").read_text()
+    from tplab.gpu_collectives.peer_kernels import KERNEL_FILES, kernel_source
+
+    folder = files("tplab.gpu_collectives").joinpath("kernels")
+    assert all(folder.joinpath(name).is_file() for name in KERNEL_FILES)
+    source = kernel_source()
     for kernel in ["one_shot", "one_shot_ll", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
 

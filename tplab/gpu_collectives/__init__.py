@@ -5,7 +5,7 @@ here is one kernel, or a few copy-engine copies, that moves and sums the data it
 GPUs share (CUDA IPC over NVLink).
 
     peer_memory.py      PeerMemory: shared buffers and flags; one_shot / two_shot / ring all-reduce kernels
-    peer_allreduce.cu   the kernels (compiled at first use, NVRTC through CuPy)
+    kernels/            the kernels, one concept per file (compiled at first use as one source, NVRTC through CuPy)
     peer_alltoall.py    peer_alltoall: each rank writes each destination's block into that peer's buffer
     peer_kernels.py     compiling, launching (cuLaunchKernel, arguments packed once), torch <-> CuPy views
     signature.py        a call's arguments in 64 bits, compared by the kernels before they touch data

@@ -76,7 +76,7 @@ class CopyEngineComm(Communicator):
     # ---- the algorithm, on CuPy arrays and raw pointers ---------------------------------------------------
     def allreduce_(self, x, type_name: str) -> None:
         """In place: ``x`` (a contiguous CuPy array) becomes the sum over ranks. Queued on the current
-        stream; ``type_name`` is the element type of peer_allreduce.cu (``float``, ``bf16_bits``, ...)."""
+        stream; ``type_name`` is the element type of the kernels (``float``, ``bf16_bits``, ...)."""
         import cupy
 
         p, r, nbytes = self.size, self.rank, x.nbytes

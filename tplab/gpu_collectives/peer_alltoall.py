@@ -2,7 +2,7 @@
 
     out = peer_alltoall(comm.peers, x)        # x: p equal blocks, block j for rank j (CuPy, this rank's GPU)
 
-The kernel (alltoall in peer_allreduce.cu) starts with the ranks' argument agreement, like the all-reduces:
+The kernel (kernels/alltoall.cu) starts with the ranks' argument agreement, like the all-reduces:
 mismatched sizes or types raise on every rank. scripts/gpu_alltoall.py times it next to NCCL's all-to-all and
 tplab's hand-written ones over NCCL point-to-point.
 """

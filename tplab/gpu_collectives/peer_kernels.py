@@ -1,4 +1,4 @@
-"""How tplab's peer-memory kernels (peer_allreduce.cu) are compiled and launched, and how arrays reach them.
+"""How tplab's peer-memory kernels (kernels/*.cu, KERNEL_FILES) are compiled and launched, and how arrays reach them.
 
     kernel("two_shot<float>")       the compiled kernel (NVRTC through CuPy, once per process)
     fast_launcher(k, blocks, ...)    a launch with its arguments packed once, straight through the driver
@@ -27,7 +27,7 @@ KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64"
 
 
 def kernel(name: str):
-    """A kernel of peer_allreduce.cu, e.g. ``kernel("two_shot<float>")`` (compiled once, on first use)."""
+    """A kernel of kernels/, e.g. ``kernel("two_shot<float>")`` (compiled once, on first use)."""
     return _module().get_function(name)
 
 
@@ -38,8 +38,19 @@ def _module():
     templates = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
     names = ["flag_barrier", "allgather", "alltoall", "agree_only", "pdl_probe"]
     names += [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
-    source = Path(__file__).with_name("peer_allreduce.cu").read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=names)
+    return cupy.RawModule(code=kernel_source(), options=("-std=c++17",), name_expressions=names)
+
+
+# The kernels' source, one concept per file, compiled as one translation unit in this order (each file uses
+# what the files before it define).
+KERNEL_FILES = ("memory_model.cuh", "agreement.cuh", "one_shot.cu", "two_shot.cu", "ring.cu", "allgather.cu",
+                "copy_engine_sum.cu", "alltoall.cu")
+
+
+def kernel_source() -> str:
+    """The files of kernels/, joined in the order of KERNEL_FILES."""
+    folder = Path(__file__).with_name("kernels")
+    return "".join((folder / name).read_text() for name in KERNEL_FILES)
 
 
 def type_name(dtype) -> str:
@@ -56,7 +67,7 @@ TORCH_TYPES = {"bfloat16": "bf16_bits", "float16": "f16_bits", "float32": "float
 
 def torch_as_cupy(t):
     """A contiguous torch CUDA tensor as a flat CuPy array over the same memory (bfloat16 as int16, so
-    that it needs no CuPy support), and the element type of peer_allreduce.cu."""
+    that it needs no CuPy support), and the element type of the kernels."""
     import cupy
 
     if not t.is_contiguous() or not t.is_cuda:

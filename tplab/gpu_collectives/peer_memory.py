@@ -6,7 +6,7 @@ rank r tells rank q "I passed barrier e" by storing e into q's ``flags[b][r]`` (
 scope), and waits until its own ``flags[b][q]`` reaches e (an acquire load). No host call, no stream
 drain: the whole all-reduce is one kernel, so it can be captured in a CUDA graph, and its latency is a few
 NVLink round trips rather than a few host barriers (cuda_ipc.py is the host-synchronised first version).
-This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are in peer_allreduce.cu.
+This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are in kernels/ (peer_kernels.KERNEL_FILES).
 
     algorithm      rounds  NVLink bytes per rank          for
     one_shot       1       (p-1)·n read                    small messages: latency is all that counts
@@ -46,13 +46,13 @@ from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, s
 ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
-MAX_RANKS = 8               # as in peer_allreduce.cu
+MAX_RANKS = 8               # as in kernels/memory_model.cuh
 MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
-AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (peer_allreduce.cu)
+AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (kernels/agreement.cuh)
 SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
-STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in peer_allreduce.cu)
+STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
 LL_THREADS = 128            # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
@@ -115,7 +115,7 @@ class PeerMemory:
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
         self.status[:] = 0
         self.broken: str | None = None                               # set when a peer never came
-        # struct Control of peer_allreduce.cu: calls | finished, verdict, timeout_ns, status pointer, failed | written
+        # struct Control of kernels/agreement.cuh: calls | finished, verdict, timeout_ns, status pointer, failed | written
         self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])

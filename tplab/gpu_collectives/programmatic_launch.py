@@ -1,6 +1,6 @@
 """Programmatic dependent launch (Hopper and later): in a CUDA graph, the GPU schedules the next kernel while
 the one before it finishes, and the new kernel's first instruction waits until the old one's writes are
-visible (peer_allreduce.cu's ``after_previous_kernel``). What it saves is the gap between two launches, a
+visible (kernels/memory_model.cuh's ``after_previous_kernel``). What it saves is the gap between two launches, a
 fraction of a microsecond per call; the driver call that asks for it, cuLaunchKernelEx, goes through ctypes.
 
     if works_here(libcuda, probe, device):       # once per process and GPU (PeerMemory does it)

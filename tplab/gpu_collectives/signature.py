@@ -1,7 +1,7 @@
 """A collective call's arguments in 64 bits, compared on the GPU instead of by a host all-gather.
 
 Every collective call on peer memory starts with the ranks' kernels swapping signatures (agree in
-peer_allreduce.cu). The low 32 bits are the element count, the next 8 the element type, so that an error
+kernels/agreement.cuh). The low 32 bits are the element count, the next 8 the element type, so that an error
 can say what the other rank passed; the top 24 bits hash the rest (collective, shape, op, algorithm, root).
 0 is never a signature (it tells a kernel that the call agreed already), nor is REFUSED (all ones: "this
 rank's input is bad; it only came to say so").

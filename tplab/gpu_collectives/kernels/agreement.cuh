@@ -1,0 +1,292 @@
+// tplab's peer-memory kernels, agreement.cuh: the agreement every collective call starts with, the call's counters, the barriers.
+// Compiled as one source with the files before it (tplab.gpu_collectives.peer_kernels.KERNEL_FILES,
+// in that order; memory_model.cuh explains the whole).
+
+// ---- agreement: every collective call starts with the ranks comparing what they were asked to do --------
+// Block 0 of every rank sends every peer's block 0 a line holding a 64-bit signature of its arguments
+// (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
+// tagged with the agreement's number e, and polls its own lines until every peer's of number e is there.
+// All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every rank's
+// kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
+// from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
+// up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
+// The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
+// verdict is never taken for this call's. The verdict is a plain store (one_shot: a release), and none at all
+// in a grid of one block: a release would first wait until block 0's pushes to the peers had landed,
+// about a microsecond over NVLink, and the verdict orders no data (one_shot's staged input excepted). Signature 0 skips the step: the caller ran agree_only first (each
+// call agrees exactly once on every rank, whatever path it takes). The lines alternate between two rows (the
+// parity of e): a peer can be at most one call ahead, so it never overwrites the row still being read.
+#define MAX_SLOTS 1024                                   // flag slots per rank (MAX_BLOCKS in peer_memory.py)
+#define AGREE_SLOT (MAX_SLOTS - 3)
+#define SIGNATURES (MAX_SLOTS * MAX_RANKS)               // words: the signature lines (2 rows) follow the flags
+#define REFUSED 0xffffffffffffffffULL
+enum { AGREED = 0, MISMATCH = 1, PEER_REFUSED = 2, TIMEOUT = 3, SELF_REFUSED = 4, FAILED_BEFORE = 5 };
+
+struct Control {                      // this rank's own (device memory; peers never see it)
+    unsigned int calls;               // collective calls finished here: bumped by the last block to finish
+    unsigned int finished;            // blocks of the running call that have finished
+    unsigned long long verdict;       // (call << 32) | code, published by block 0
+    unsigned long long timeout_ns;
+    unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
+    unsigned int failed;              // an agreement failed here and the host has not raised it yet: the
+                                      //  failed call's mark (failure_mark), 1 after a peer timed out
+    unsigned int written;             // blocks of a one_shot that have written their part of the input
+};
+
+// What a kernel reads of this rank's counts, once, at its start: four independent loads in flight together
+// (thread 0's), then one __syncthreads, instead of a load wherever a count is needed. Each load is a trip
+// to L2 (a few hundred nanoseconds), and one after another on the path of every call they cost about as
+// much as the agreement's NVLink crossing itself.
+struct Call {
+    unsigned int failed;              // Control::failed as the call started (failed_before says what it means)
+    unsigned int number;              // this call's number: calls finished here + 1 (the same on every rank)
+    unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
+                                      //  moves the count once it has agreed)
+    unsigned int barriers;            // barriers this block has passed (epochs[blockIdx.x]; finish writes it back)
+};
+__device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned int* epochs) {
+    __shared__ Call shared;
+    if (threadIdx.x == 0) {
+        Call c;
+        c.failed = *(const volatile unsigned int*)&ctl->failed;
+        c.number = *(const volatile unsigned int*)&ctl->calls + 1;
+        c.agreement = *(const volatile unsigned int*)(epochs + AGREE_SLOT) + 1;
+        c.barriers = *(const volatile unsigned int*)(epochs + blockIdx.x);
+        shared = c;
+    }
+    __syncthreads();
+    return shared;
+}
+
+// What Control::failed holds once call `number`'s agreement has failed (never 0, which means "none").
+__device__ __forceinline__ unsigned int failure_mark(unsigned int number) { return number != 0u ? number : 1u; }
+
+// Whether an earlier call failed: then this kernel stops without meeting anyone (its peers raised). A block
+// that starts after block 0 of its own kernel has found this call's agreement failed sees this call's mark
+// instead: it goes on to the verdict, and counts the call as every peer does. (Marking with a plain 1, such a
+// block used to return uncounted, and this rank's call numbers then lagged its peers' by one.)
+__device__ __forceinline__ bool failed_before(const Call& c) {
+    return c.failed != 0u && c.failed != failure_mark(c.number);
+}
+
+// barrier_at for block b at its own slot, with the count in a register (Call::barriers): no load on the way.
+__device__ __forceinline__ void barrier(unsigned int* const* flags, Call& c, int rank, unsigned int who) {
+    __syncthreads();                                     // this block's writes happen before the signal
+    const unsigned int e = ++c.barriers;
+    const int q = threadIdx.x;
+    if (q < MAX_RANKS && q != rank && ((who >> q) & 1u)) {
+        store_release(flags[q] + blockIdx.x * MAX_RANKS + rank, e);
+        const unsigned int* mine = flags[rank] + blockIdx.x * MAX_RANKS + q;
+        while ((int)(load_acquire(mine) - e) < 0) { }       // wrap-safe "mine < e"
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigned long long v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
+    unsigned long long v; asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) {
+    unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+
+// Rank r's signature line in the row e & 1 of a rank's flags (``their_flags``: flags[q]); sending it tells q
+// "I am at agreement e, with this signature". A kernel may send it first and meet the peers later
+// (agree(..., signalled = true)): one_shot_ll pushes its data in between.
+__device__ __forceinline__ uint4* signature_line(unsigned int* their_flags, unsigned int e, int r) {
+    return (uint4*)(their_flags + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
+__device__ __forceinline__ void send_signature(unsigned int* their_flags, unsigned int e, int rank,
+                                               unsigned long long sig) {
+    store_line(signature_line(their_flags, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
+
+// The verdict of this call (AGREED or an error code), the same in every thread of every block.
+// ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
+// part of the input into this rank's buffer; block 0 waits for them all (a counter in local memory), then
+// meets its peers' block 0 once -- one NVLink crossing for the whole call, whatever the grid. (Ordering:
+// each block's writes, its fence and counter increment, block 0's acquire of the counter, a system-scope
+// fence before the signature line goes out, and one after the peers' lines came in -- the fence-based
+// release and acquire -- form one causality chain.) Signature 0 then still meets the peers but compares
+// nothing.
+__device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
+                     unsigned int* epochs, int rank, int p, bool after_writes = false, bool signalled = false) {
+    if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
+    // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
+    // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
+    // clears the flag on the stream when it raises).
+    if (failed_before(c)) return FAILED_BEFORE;
+    __shared__ int outcome[MAX_RANKS];
+    __shared__ unsigned long long seen[MAX_RANKS];
+    __shared__ int verdict;
+    const unsigned int call = c.number;
+    if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
+    __syncthreads();
+    const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
+    if (count_writes && threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&ctl->written, 1u);
+    }
+    if (blockIdx.x == 0) {
+        if (count_writes && threadIdx.x == 0) {
+            while (load_acquire_gpu(&ctl->written) < gridDim.x) { }
+            ctl->written = 0;                            // (the next kernel on this stream starts after this one)
+        }
+        __syncthreads();
+        const unsigned int e = c.agreement;
+        const int q = threadIdx.x;
+        if (q < p && q != rank) {
+            if (!signalled) {
+                if (after_writes) fence_acq_rel_sys();      // (release: the staged input before the line)
+                send_signature(flags[q], e, rank, sig);
+            }
+            const uint4* mine = signature_line(flags[rank], e, q);
+            unsigned long long start = 0;                       // (the clock is read only when waiting)
+            unsigned int spins = 0;
+            int o = AGREED;
+            uint4 line = load_line(mine);
+            while (!line_has(line, e)) {
+                if (start == 0) start = globaltimer();
+                if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
+                line = load_line(mine);
+            }
+            if (o == AGREED) {
+                if (after_writes) load_acquire((const unsigned int*)mine + 3);   // (acquire: the peer's staged
+                                                                                 //  input after its line)
+                const unsigned long long theirs = line.x | ((unsigned long long)line.z << 32);
+                seen[q] = theirs;
+                if (theirs != sig && sig != 0) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
+            }
+            outcome[q] = o;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int code = sig == REFUSED ? SELF_REFUSED : AGREED, peer = -1;
+            for (int r = 0; r < p; r++)
+                if (outcome[r] > (peer < 0 ? AGREED : outcome[peer])) peer = r;
+            if (peer >= 0 && code == AGREED) code = outcome[peer];
+            epochs[AGREE_SLOT] = e;
+            if (code != AGREED && code != SELF_REFUSED) {
+                ctl->failed = failure_mark(call);
+                volatile unsigned int* s = ctl->status;
+                s[1] = (unsigned int)peer;
+                s[2] = (unsigned int)(seen[peer] & 0xffffffffu);
+                s[3] = (unsigned int)(seen[peer] >> 32);
+                s[4] = call;
+                s[5] = (unsigned int)(sig & 0xffffffffu);
+                s[6] = (unsigned int)(sig >> 32);
+                __threadfence_system();
+                s[0] = (unsigned int)code;
+            }
+            const unsigned long long v = ((unsigned long long)call << 32) | (unsigned int)code;
+            if (gridDim.x > 1 && after_writes) store_release_gpu(&ctl->verdict, v);
+            else if (gridDim.x > 1) *(volatile unsigned long long*)&ctl->verdict = v;
+            verdict = code;
+        }
+    } else if (threadIdx.x == 0) {
+        unsigned long long v;
+        do { v = after_writes ? load_acquire_gpu(&ctl->verdict) : *(volatile unsigned long long*)&ctl->verdict; }
+        while ((unsigned int)(v >> 32) != call);
+        verdict = (int)(v & 0xffffffffu);
+    }
+    __syncthreads();
+    return verdict;
+}
+
+// The end of every collective kernel, also one that stopped at a failed agreement: the last block to
+// finish counts the call (so the next kernel's blocks all read the same call number). No fence: the next
+// kernel on the stream starts after this one has ended and sees all it wrote, and every block read the
+// call's number before it came here. (A fence would wait for the block's pushes to the peers to land.)
+// ``counted`` is false for a kernel that stopped without meeting anyone (FAILED_BEFORE: queued after a
+// failure, before the host raised it). A rank that queued more of them than its peers must still count the
+// calls as they do: one_shot_ll tags its lines, and picks its area, by the call's number.
+// The call's number is stored, not added to: it was read at the start (begin_call), and a load here would
+// be one more trip to L2 before the kernel can end. This block's barrier count goes back to memory.
+__device__ void finish(Control* ctl, unsigned int* epochs, const Call& c, bool counted = true) {
+    __syncthreads();
+    if (threadIdx.x == 0) epochs[blockIdx.x] = c.barriers;
+    if (!counted) return;
+    if (threadIdx.x == 0 && gridDim.x == 1) {
+        ctl->calls = c.number;
+    } else if (threadIdx.x == 0 && atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+        ctl->finished = 0;
+        ctl->calls = c.number;
+    }
+}
+
+// An agreement alone: what a collective that runs by other means (NCCL, tplab's hand-written algorithms)
+// does first on a communicator with peer memory, so that ranks on different paths still meet.
+extern "C" __global__ void agree_only(Control* ctl, unsigned long long sig, unsigned int* const* flags,
+                                      unsigned int* epochs, int rank, int p) {
+    const Call this_call = begin_call(ctl, epochs);
+    finish(ctl, epochs, this_call, agree(ctl, this_call, sig, flags, epochs, rank, p) != FAILED_BEFORE);
+}
+
+// How every other collective kernel starts (after after_previous_kernel): read the counts, agree or stop.
+#define BEGIN_CALL_AND_AGREE() \
+    Call this_call = begin_call(ctl, epochs); \
+    { const int verdict_ = agree(ctl, this_call, sig, flags, epochs, rank, p); \
+      if (verdict_ != AGREED) { finish(ctl, epochs, this_call, verdict_ != FAILED_BEFORE); return; } }
+
+// The whole kernel is one barrier, at a slot of its own: what the copy-engine all-reduce (copy_engine.py)
+// puts between its copies, so that its stream waits for the peers' streams without the host and without
+// more than one block of one multiprocessor.
+extern "C" __global__ void flag_barrier(unsigned int* const* flags, unsigned int* epochs, int rank,
+                                        unsigned int who, int slot) {
+    barrier_at(slot, flags, epochs, rank, who);
+}
+
+// The packs [first, last) of an array, split over the grid: block b takes the same packs on every rank.
+#define FOR_MY_PACKS(i, first, last) \
+    for (long long i = (first) + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (last); \
+         i += (long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__device__ __forceinline__ void copy_packs(uint4* dst, const uint4* src, long long first, long long last) {
+    FOR_MY_PACKS(i, first, last) dst[i] = load_peer(src + i);
+}
+
+// ((v[0] + v[1]) + v[2]) + ...  in rank order, in Acc, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 sum_packs(const Pack<T>* v, int p) {
+    typedef typename Num<T>::Acc Acc;
+    const int N = 16 / sizeof(T);
+    Acc acc[N];
+#pragma unroll
+    for (int k = 0; k < N; k++) acc[k] = Num<T>::up(v[0].e[k]);
+#pragma unroll
+    for (int q = 1; q < MAX_RANKS; q++)
+        if (q < p) {
+#pragma unroll
+            for (int k = 0; k < N; k++) acc[k] += Num<T>::up(v[q].e[k]);
+        }
+    Pack<T> out;
+#pragma unroll
+    for (int k = 0; k < N; k++) out.e[k] = Num<T>::down(acc[k]);
+    return out.raw;
+}
+
+// out[i] = ((in[0][i] + in[1][i]) + in[2][i]) + ...  in rank order, in Acc, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 sum_in_rank_order(const uint4* const* in, int p, long long i) {
+    Pack<T> v[MAX_RANKS];
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++) if (q < p) v[q].raw = load_peer(in[q] + i);     // p loads in flight
+    return sum_packs<T>(v, p);
+}
+
+// a + b elementwise, rounded to T (one step of the ring)
+template <typename T>
+__device__ __forceinline__ uint4 add_packs(uint4 a, uint4 b) {
+    Pack<T> x, y, z; x.raw = a; y.raw = b;
+#pragma unroll
+    for (int k = 0; k < 16 / (int)sizeof(T); k++) z.e[k] = Num<T>::down(Num<T>::up(x.e[k]) + Num<T>::up(y.e[k]));
+    return z.raw;
+}
+
+// Two packs per thread per trip (i and i + grid size): twice the loads in flight. The same packs fall to
+// the same block as in FOR_MY_PACKS, so the two loops can meet across ranks.
+#define FOR_MY_PACK_PAIRS(i, j, first, last) \
+    for (long long i = (first) + (long long)blockIdx.x * blockDim.x + threadIdx.x, \
+         j = i + (long long)gridDim.x * blockDim.x; i < (last); \
+         i += 2LL * gridDim.x * blockDim.x, j += 2LL * gridDim.x * blockDim.x)
+
