@@ -273,8 +273,9 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     same_everywhere([x_full], host)
     with torch.no_grad():
         expected = whole(x_full)  # (b, s, h): the unsplit layer's output
-        if args.causal:  # the reference itself, against the model's own Block
-            assert torch.allclose(expected, block(x_full), rtol=1e-3, atol=1e-3), "unsplit layer != Block"
+        if args.causal:  # the reference itself, against the model's own Block (bf16: its rounding)
+            differ = float((expected - block(x_full)).abs().max().float() / expected.abs().max().float())
+            assert differ < (1e-3 if dtype == torch.float32 else 3e-2), f"unsplit layer != Block: {differ:.1e}"
     unsplit = base if s == args.seq else unsplit_time(whole, x_full, host, args)
     common = {"kind": "layer", "mode": mode, "p": p, "dtype": dtype_name, "layout": args.layout,
               "causal": args.causal, "hidden": args.hidden, "heads": args.heads, "seq_len": s, "batch": args.batch,
