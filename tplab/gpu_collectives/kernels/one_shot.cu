@@ -46,7 +46,8 @@ __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call,
             v = load_line(line);
             if ((++spins & 1023u) == 0 && (*(volatile unsigned int*)&ctl->failed
                                            || globaltimer() - start > ctl->timeout_ns)) {
-                if (atomicExch(&ctl->failed, 1u) == 0u) {   // the first thread to give up reports it
+                if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {   // the first to give up reports it (a failed
+                                                               //  agreement's mark stays as it is)
                     volatile unsigned int* s = ctl->status;
                     s[1] = (unsigned int)q;
                     s[4] = call;
