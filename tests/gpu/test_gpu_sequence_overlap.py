@@ -89,15 +89,35 @@ def test_the_compiled_merge_equals_the_eager_merge(dtype, monkeypatch):
     q = torch.randn(2, 4, 96, 64, device="cuda", generator=generator).to(dtype)
     blocks = [tuple(torch.randn(2, 2, 64, 64, device="cuda", generator=generator).to(dtype) for _ in range(2))
               for _ in range(3)]
+    from torch._dynamo.utils import counters
+
     results = {}
     for compiled in (True, False):
         monkeypatch.setattr(OnlineSoftmax, "compiled_merge", compiled)
+        torch._dynamo.reset()  # (compiled afresh here: the counter below then sees it)
+        graphs = counters["stats"]["unique_graphs"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a compiler failure (the eager fallback warns) fails here
             acc = OnlineSoftmax(q)
             for k, v in blocks:
                 acc.update(q, k, v)
         results[compiled] = (acc.out, acc.lse)
+        if compiled:  # the merges ran through a compiled graph (one made now, or the one made before)
+            agree(counters["stats"]["unique_graphs"] > graphs, "no graph compiled for the merge")
     (out_c, lse_c), (out_e, lse_e) = results[True], results[False]
     agree(float((out_c - out_e).abs().max()) < 1e-5 and float((lse_c - lse_e).abs().max()) < 1e-5,
           f"out {float((out_c - out_e).abs().max()):.2e}, lse {float((lse_c - lse_e).abs().max()):.2e}")
+
+
+def test_the_copy_engine_gather_refuses_a_bad_out_on_every_rank():
+    from tplab.comm.base import CollectiveArgumentError
+
+    exchange = CopyEngineExchange(COMM, 1 << 16)
+    shard = torch.full((3, 2), float(RANK), device="cuda")
+    bad = torch.empty((P, 3, 2), device="cuda", dtype=torch.float16 if RANK == P - 1 else torch.float32)
+    with pytest.raises(CollectiveArgumentError, match=f"rank {P - 1}: out must be"):
+        exchange.start_gather(shard, out=bad)
+    good = torch.empty((P, 3, 2), device="cuda")
+    exchange.start_gather(shard, out=good).done()  # (a refused call leaves the exchange usable)
+    agree(all(bool((good[q] == q).all()) for q in range(P)), f"gathered {good[:, 0, 0].tolist()}")
+    exchange.close()

@@ -108,6 +108,37 @@ def test_start_gather_refuses_a_bad_out_on_every_rank():
     agree(all(bool((good[q] == q).all()) for q in range(P)), f"gathered {good[:, 0, 0].tolist()}")
 
 
+def test_streamed_kv_goes_on_after_one_rank_failed_mid_call(monkeypatch):
+    """Rank 0 fails while folding the blocks in: it abandons the call (the exchange keeps its receive
+    buffers while MPI may still write into them), the other ranks finish theirs (rank 0's blocks left at
+    the start). The next call takes a tag of its own on every rank and is exact."""
+    from tplab.sequence import streamed_kv
+
+    q, k, v = (mine(t, "contiguous") for t in qkv(seed=7))
+    expected = mine(attend(*qkv(seed=7), causal=True), "contiguous")
+    if RANK == 0:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected failure")
+
+        monkeypatch.setattr(streamed_kv, "fold_block", failing)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            streamed_kv.streamed_kv_attention(q, k, v, C, causal=True)
+        monkeypatch.undo()
+    else:
+        streamed_kv.streamed_kv_attention(q, k, v, C, causal=True)
+    again = streamed_kv.streamed_kv_attention(q, k, v, C, causal=True)
+    agree(torch.allclose(again, expected, **TOL), differs(again, expected))
+
+
+def test_null_exchange_fills_out_with_this_ranks_shard():
+    from tplab.comm.shard_exchange import NullExchange
+
+    shard = torch.arange(6.0).reshape(3, 2)
+    out = torch.empty(4, 3, 2)
+    NullExchange(1, 4).start_gather(shard, out=out).done()
+    assert all(torch.equal(out[q], shard) for q in range(4))
+
+
 def llama_block():
     """RoPE (rotations by global positions), GQA, SwiGLU, RMSNorm: every way the layer can be split wrong."""
     torch.manual_seed(1)  # the same weights on every rank

@@ -71,7 +71,8 @@ class OnlineSoftmax:
             return
         if self.out.is_cuda and OnlineSoftmax.compiled_merge:
             try:
-                self.out, self.lse = _compiled_merge()(self.out, self.lse, out_b, lse_b)
+                with _more_graphs():
+                    self.out, self.lse = _compiled_merge()(self.out, self.lse, out_b, lse_b)
                 return
             except Exception as e:  # noqa: BLE001 - any compiler failure: the same formula, eagerly
                 OnlineSoftmax.compiled_merge = False
@@ -97,5 +98,14 @@ _compiled = None
 def _compiled_merge():
     global _compiled
     if _compiled is None:
+        # static shapes: a kernel per shape (measured: dynamic shapes made the merge slower than the eager
+        # passes); a run of many layouts and sizes may then need more graphs than Dynamo's default limit,
+        # after which it would run the formula eagerly without a word, so the limit is raised for this call
         _compiled = torch.compile(_merge, dynamic=False)
     return _compiled
+
+
+def _more_graphs():
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(64, getattr(config, name))})

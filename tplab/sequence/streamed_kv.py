@@ -26,6 +26,8 @@ Memory: every block lands (O(s), as the all-gather). Causal masks and layouts as
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from tplab.sequence.checks import check_attention_inputs
@@ -34,35 +36,56 @@ from tplab.sequence.online_softmax import OnlineSoftmax
 from tplab.sequence.ring import fold_block, refuse_gradients
 
 
+# communicator -> its message exchange (see default_exchange). The exchange refers to its communicator, so
+# an entry lives as long as the process: weak keys only keep a new communicator from taking a dead one's entry.
+_default_exchanges = weakref.WeakKeyDictionary()
+
+
+def default_exchange(comm):
+    """The exchange a scheme uses when none is given: messages on ``comm`` itself (its counters count the
+    bytes), one per communicator and kept with it, so that every call takes a tag of its own and the buffers
+    of a call abandoned after an error stay alive while MPI may still write into them. One rank: nothing
+    moves."""
+    from tplab.comm.shard_exchange import MessageExchange, NullExchange
+
+    if comm.size == 1:
+        return NullExchange(0, 1)
+    if comm not in _default_exchanges:
+        _default_exchanges[comm] = MessageExchange(comm, duplicate=False)
+    return _default_exchanges[comm]
+
+
 class StreamedKV:
     """Every rank's K and V on their way to every rank; ``attend(q)`` folds each block in as it lands.
     Made by ``start_streamed_kv``."""
 
     def __init__(self, k, v, comm, exchange, layout):
         self.rank, self.size, self.layout = comm.rank, comm.size, layout
-        if exchange is None:
-            from tplab.comm.shard_exchange import MessageExchange, NullExchange
-
-            # this call's only, on comm itself (its counters count the bytes); one rank: nothing to move
-            exchange = MessageExchange(comm, duplicate=False) if comm.size > 1 else NullExchange(0, 1)
-        self.exchange = exchange
-        self.gathered = exchange.start_gather(torch.stack([k, v]))  # (2, b, n_kv, s/p, d): one block per rank
+        self.exchange = default_exchange(comm) if exchange is None else exchange
+        kv = torch.stack([k, v])  # (2, b, n_kv, s/p, d): one block per rank
+        numbering = (getattr(self.exchange, "rank", self.rank), getattr(self.exchange, "size", self.size))
+        if numbering != (self.rank, self.size):  # block q must be rank q's tokens: one numbering for both
+            self.exchange.refuse("start_gather", f"the exchange numbers this rank {numbering[0]} of {numbering[1]}, "
+                                 f"the communicator {self.rank} of {self.size}", like=kv)
+        self.gathered = self.exchange.start_gather(kv)
 
     def attend(self, q, *, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
         """My queries (b, n, s/p, d) against every rank's block  ->  (b, n, s/p, d)."""
-        refuse_gradients(q, scheme="streamed K/V attention")
         stats = {} if stats is None else stats
         stats.setdefault("scores", 0)
-        mine = my_chunks(self.rank, self.size, self.layout)
-        length = q.shape[2] // len(mine)
-        queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
-        softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
         try:
+            refuse_gradients(q, scheme="streamed K/V attention")
+            mine = my_chunks(self.rank, self.size, self.layout)
+            length = q.shape[2] // len(mine)
+            queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
+            softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
             for owner in self.gathered.order:  # mine first, then r+1, r+2, ...
                 fold_block(softmax, queries, self.gathered.shard(owner), my_chunks(owner, self.size, self.layout),
                            causal=causal, stats=stats)
         except BaseException:
-            self.exchange.abandon()  # (a peer that failed too never sends its block: do not wait for it)
+            # a peer that failed too may never send its block: do not wait for it; the exchange keeps this
+            # call's buffers (MPI may still write into them) and refuses or skips what the call left open
+            self.exchange.abandon()
             raise
         self.gathered.done()
         return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
