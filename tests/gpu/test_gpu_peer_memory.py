@@ -255,6 +255,13 @@ def test_bad_arguments_raise_on_every_rank():
             PEERS.allreduce(cupy.zeros(64, dtype="float32"), "one_shot_ll" if COMM.rank == 0 else "two_shot")
         with pytest.raises(ValueError, match="ranks disagree"):
             PEERS.allreduce(cupy.zeros(64 + 4 * COMM.rank, dtype="float32"), "one_shot_ll")
+        # one_shot_ll waits for its data and the agreement together: rank 0's 32 blocks of lines, of which
+        # the peers push only the first's, must stop waiting once the agreement has failed (no timeout)
+        with pytest.raises(ValueError, match="ranks disagree"):
+            PEERS.allreduce(cupy.zeros(16384 if COMM.rank == 0 else 256, dtype="float32"), "one_shot_ll")
+        with pytest.raises(ValueError, match="handles up to|refused its input"):   # a peer that only refuses
+            PEERS.allreduce(cupy.zeros(PEERS.ll_bytes // 4 + 4 if COMM.rank == P - 1 else 16384, "float32"),
+                            "one_shot_ll")
         x, values = inputs("float32", 1000)                     # and the next call is right
         agree(close(PEERS.allreduce(x, "one_shot_ll").astype(cupy.float64), NCCL.builtin_allreduce(values),
                     NCCL.builtin_allreduce(cupy.abs(values)), "float32"), "one_shot_ll after two mismatches")

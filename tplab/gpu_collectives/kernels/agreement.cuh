@@ -92,13 +92,60 @@ __device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) 
     unsigned int v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 
 // Rank r's signature line in the row e & 1 of a rank's flags (``their_flags``: flags[q]); sending it tells q
-// "I am at agreement e, with this signature". A kernel may send it first and meet the peers later
-// (agree(..., signalled = true)): one_shot_ll pushes its data in between.
+// "I am at agreement e, with this signature". one_shot_ll sends it first, pushes its data, then waits for
+// the peers' lines and its data together (agree_as_lines_land).
 __device__ __forceinline__ uint4* signature_line(unsigned int* their_flags, unsigned int e, int r) {
     return (uint4*)(their_flags + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
 __device__ __forceinline__ void send_signature(unsigned int* their_flags, unsigned int e, int rank,
                                                unsigned long long sig) {
     store_line(signature_line(their_flags, e, rank), make_uint4((unsigned int)sig, e, (unsigned int)(sig >> 32), e)); }
+
+// Block 0's thread 0, once every peer's line has been compared (outcome[q], seen[q]: what came from q):
+// the call's verdict, the agreement counted, a failure written where the host finds it (status) and marked
+// in Control::failed, and the verdict published to the grid's other blocks. ``release``: one_shot's
+// verdict also orders its staged input (a release store); any other is a plain store, none in a grid of
+// one block.
+__device__ int decide(Control* ctl, const Call& c, unsigned long long sig, unsigned int* epochs, int p,
+                      const int* outcome, const unsigned long long* seen, bool release) {
+    int code = sig == REFUSED ? SELF_REFUSED : AGREED, peer = -1;
+    for (int r = 0; r < p; r++)
+        if (outcome[r] > (peer < 0 ? AGREED : outcome[peer])) peer = r;
+    if (peer >= 0 && code == AGREED) code = outcome[peer];
+    epochs[AGREE_SLOT] = c.agreement;
+    if (code != AGREED && code != SELF_REFUSED) {
+        ctl->failed = failure_mark(c.number);
+        volatile unsigned int* s = ctl->status;
+        s[1] = (unsigned int)peer;
+        s[2] = (unsigned int)(seen[peer] & 0xffffffffu);
+        s[3] = (unsigned int)(seen[peer] >> 32);
+        s[4] = c.number;
+        s[5] = (unsigned int)(sig & 0xffffffffu);
+        s[6] = (unsigned int)(sig >> 32);
+        __threadfence_system();
+        s[0] = (unsigned int)code;
+    }
+    const unsigned long long v = ((unsigned long long)c.number << 32) | (unsigned int)code;
+    if (gridDim.x > 1 && release) store_release_gpu(&ctl->verdict, v);
+    else if (gridDim.x > 1) *(volatile unsigned long long*)&ctl->verdict = v;
+    return code;
+}
+
+// Thread 0 of another block: block 0's verdict of this call (tagged with the call's number, so that an
+// older verdict is never taken for this one's).
+__device__ int await_verdict(Control* ctl, unsigned int call, bool acquire) {
+    unsigned long long v;
+    do { v = acquire ? load_acquire_gpu(&ctl->verdict) : *(volatile unsigned long long*)&ctl->verdict; }
+    while ((unsigned int)(v >> 32) != call);
+    return (int)(v & 0xffffffffu);
+}
+
+// Peer q's signature line against mine: AGREED, MISMATCH or PEER_REFUSED (``seen``: what q sent).
+__device__ __forceinline__ int compare_signature(uint4 line, unsigned long long sig, unsigned long long* seen) {
+    const unsigned long long theirs = line.x | ((unsigned long long)line.z << 32);
+    *seen = theirs;
+    if (theirs == sig || sig == 0) return AGREED;
+    return theirs == REFUSED ? PEER_REFUSED : MISMATCH;
+}
 
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
 // ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
@@ -109,7 +156,7 @@ __device__ __forceinline__ void send_signature(unsigned int* their_flags, unsign
 // release and acquire -- form one causality chain.) Signature 0 then still meets the peers but compares
 // nothing.
 __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
-                     unsigned int* epochs, int rank, int p, bool after_writes = false, bool signalled = false) {
+                     unsigned int* epochs, int rank, int p, bool after_writes = false) {
     if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
@@ -118,7 +165,6 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
     __shared__ int verdict;
-    const unsigned int call = c.number;
     if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
     __syncthreads();
     const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
@@ -135,10 +181,8 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
         const unsigned int e = c.agreement;
         const int q = threadIdx.x;
         if (q < p && q != rank) {
-            if (!signalled) {
-                if (after_writes) fence_acq_rel_sys();      // (release: the staged input before the line)
-                send_signature(flags[q], e, rank, sig);
-            }
+            if (after_writes) fence_acq_rel_sys();          // (release: the staged input before the line)
+            send_signature(flags[q], e, rank, sig);
             const uint4* mine = signature_line(flags[rank], e, q);
             unsigned long long start = 0;                       // (the clock is read only when waiting)
             unsigned int spins = 0;
@@ -152,41 +196,14 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
             if (o == AGREED) {
                 if (after_writes) load_acquire((const unsigned int*)mine + 3);   // (acquire: the peer's staged
                                                                                  //  input after its line)
-                const unsigned long long theirs = line.x | ((unsigned long long)line.z << 32);
-                seen[q] = theirs;
-                if (theirs != sig && sig != 0) o = theirs == REFUSED ? PEER_REFUSED : MISMATCH;
+                o = compare_signature(line, sig, &seen[q]);
             }
             outcome[q] = o;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int code = sig == REFUSED ? SELF_REFUSED : AGREED, peer = -1;
-            for (int r = 0; r < p; r++)
-                if (outcome[r] > (peer < 0 ? AGREED : outcome[peer])) peer = r;
-            if (peer >= 0 && code == AGREED) code = outcome[peer];
-            epochs[AGREE_SLOT] = e;
-            if (code != AGREED && code != SELF_REFUSED) {
-                ctl->failed = failure_mark(call);
-                volatile unsigned int* s = ctl->status;
-                s[1] = (unsigned int)peer;
-                s[2] = (unsigned int)(seen[peer] & 0xffffffffu);
-                s[3] = (unsigned int)(seen[peer] >> 32);
-                s[4] = call;
-                s[5] = (unsigned int)(sig & 0xffffffffu);
-                s[6] = (unsigned int)(sig >> 32);
-                __threadfence_system();
-                s[0] = (unsigned int)code;
-            }
-            const unsigned long long v = ((unsigned long long)call << 32) | (unsigned int)code;
-            if (gridDim.x > 1 && after_writes) store_release_gpu(&ctl->verdict, v);
-            else if (gridDim.x > 1) *(volatile unsigned long long*)&ctl->verdict = v;
-            verdict = code;
-        }
+        if (threadIdx.x == 0) verdict = decide(ctl, c, sig, epochs, p, outcome, seen, after_writes);
     } else if (threadIdx.x == 0) {
-        unsigned long long v;
-        do { v = after_writes ? load_acquire_gpu(&ctl->verdict) : *(volatile unsigned long long*)&ctl->verdict; }
-        while ((unsigned int)(v >> 32) != call);
-        verdict = (int)(v & 0xffffffffu);
+        verdict = await_verdict(ctl, c.number, after_writes);
     }
     __syncthreads();
     return verdict;

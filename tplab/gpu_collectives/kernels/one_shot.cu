@@ -34,9 +34,23 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     finish(ctl, epochs, this_call);
 }
 
+// Rank q's line never came, and this thread gives up (after ctl->timeout_ns, or at once once another thread
+// has): reported as the agreement reports a peer that never came. The first to give up writes the status;
+// a failed agreement's mark in Control::failed stays as it is.
+__device__ __forceinline__ void give_up_on(Control* ctl, int q, unsigned int call) {
+    if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {
+        volatile unsigned int* s = ctl->status;
+        s[1] = (unsigned int)q;
+        s[4] = call;
+        __threadfence_system();
+        s[0] = TIMEOUT;
+    }
+}
+__device__ __forceinline__ bool should_give_up(Control* ctl, unsigned long long start) {
+    return *(volatile unsigned int*)&ctl->failed || globaltimer() - start > ctl->timeout_ns; }
+
 // Poll a line from rank q until it is this call's. A peer that agreed to the call then pushes its data, so
-// waiting can only fail if its process died mid-call: give up after ctl->timeout_ns (or at once once
-// another thread has), and report it as the agreement reports a peer that never came.
+// waiting can only fail if its process died mid-call: give up (give_up_on).
 __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call, Control* ctl, int q) {
     uint4 v = load_line(line);
     if (!line_has(v, call)) {
@@ -44,18 +58,7 @@ __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call,
         unsigned int spins = 0;
         do {
             v = load_line(line);
-            if ((++spins & 1023u) == 0 && (*(volatile unsigned int*)&ctl->failed
-                                           || globaltimer() - start > ctl->timeout_ns)) {
-                if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {   // the first to give up reports it (a failed
-                                                               //  agreement's mark stays as it is)
-                    volatile unsigned int* s = ctl->status;
-                    s[1] = (unsigned int)q;
-                    s[4] = call;
-                    __threadfence_system();
-                    s[0] = TIMEOUT;
-                }
-                break;
-            }
+            if ((++spins & 1023u) == 0 && should_give_up(ctl, start)) { give_up_on(ctl, q, call); break; }
         } while (!line_has(v, call));
     }
     return make_uint2(v.x, v.z);
@@ -70,6 +73,70 @@ __device__ __forceinline__ void read_lines(uint4* low, uint4* high, const uint4*
             low[q] = load_line(mine + q * slot_lines + 2 * i);
             high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
         }
+}
+// The first peer whose lines of the pack are not yet this call's, or -1 once all are.
+__device__ __forceinline__ int missing_line(const uint4* low, const uint4* high, unsigned int call, int rank, int p) {
+#pragma unroll
+    for (int q = 0; q < MAX_RANKS; q++)
+        if (q < p && q != rank && !(line_has(low[q], call) && line_has(high[q], call))) return q;
+    return -1;
+}
+
+// one_shot_ll's agreement, waited for in the same trips as the data it guards. Block 0's threads q < p poll
+// peer q's signature line (as agree does) while every thread polls its first pack's lines from every peer:
+// once the last line has landed, one trip to L2 sees it. (Waiting for the agreement first and then for the
+// data took two trips after the last line landed: about a microsecond, as much as the rest of the call.)
+// Data may never come where the call fails (a peer that disagrees pushes other packs, or none): a thread
+// stops waiting for it as soon as the failure is known -- in block 0 from its signature threads (shared
+// memory), in the others from Control::failed, which block 0 marks before it publishes the verdict.
+// ``my_flags``: flags[rank] (loaded early by the caller). On return, low/high hold the first pack's lines
+// as last read (the caller polls again, wait_line, any not yet this call's).
+__device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long long sig, const unsigned int* my_flags,
+                                   unsigned int* epochs, int rank, int p, const uint4* mine, long long slot_lines,
+                                   long long first, long long packs, uint4* low, uint4* high) {
+    __shared__ int outcome[MAX_RANKS];
+    __shared__ unsigned long long seen[MAX_RANKS];
+    __shared__ int doomed;                               // block 0: a peer disagreed, refused or never came
+    __shared__ int verdict;
+    const int t = threadIdx.x;
+    if (t < MAX_RANKS) outcome[t] = AGREED;
+    if (t == 0) doomed = 0;
+    __syncthreads();
+    const unsigned int e = c.agreement, call = c.number;
+    const bool lead = blockIdx.x == 0;
+    bool signature_due = sig != 0 && lead && t < p && t != rank;
+    bool data_due = first < packs;
+    const uint4* their_signature = signature_due ? signature_line((unsigned int*)my_flags, e, t) : nullptr;
+    unsigned long long start = 0;                        // (the clock is read only when waiting)
+    unsigned int spins = 0;
+    while (signature_due || data_due) {
+        uint4 line;
+        if (signature_due) line = load_line(their_signature);
+        if (data_due) read_lines(low, high, mine, slot_lines, first, rank, p);     // (both loads in flight)
+        if (signature_due && line_has(line, e)) {
+            const int o = compare_signature(line, sig, &seen[t]);
+            outcome[t] = o;
+            if (o != AGREED) *(volatile int*)&doomed = 1;
+            signature_due = false;
+        }
+        if (data_due && missing_line(low, high, call, rank, p) < 0) data_due = false;
+        if (!signature_due && !data_due) break;
+        if (start == 0) start = globaltimer();
+        ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
+        if (!signature_due && (lead ? *(volatile int*)&doomed
+                                    : (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed)) break;
+        if ((spins & 1023u) == 0 && should_give_up(ctl, start)) {
+            if (signature_due) { outcome[t] = TIMEOUT; *(volatile int*)&doomed = 1; }   // (agree: a peer that
+            else give_up_on(ctl, missing_line(low, high, call, rank, p), call);   //  never came; else one that
+            break;                                                                //  died mid-call)
+        }
+    }
+    __syncthreads();
+    if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
+    if (t == 0) verdict = lead ? decide(ctl, c, sig, epochs, p, outcome, seen, false)
+                               : await_verdict(ctl, call, false);
+    __syncthreads();
+    return verdict;
 }
 
 // ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
@@ -101,6 +168,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     const uint4* my_buf = bufs[rank];
     const bool signals = sig != 0 && blockIdx.x == 0 && threadIdx.x < p && threadIdx.x != rank;
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
+    const unsigned int* my_flags = signals ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
     if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
@@ -118,11 +186,11 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
         }
     }
     // Every peer's two lines of a pack are read at once (one trip to L2, not one per line); the first pack's
-    // even before the agreement is checked, so that the two trips overlap.
+    // in the same trips as the agreement's lines.
     const uint4* mine = my_buf + area;
     uint4 low[MAX_RANKS], high[MAX_RANKS];
-    if (first < packs) read_lines(low, high, mine, slot_lines, first, rank, p);
-    const int verdict = agree(ctl, this_call, sig, flags, epochs, rank, p, false, true);
+    const int verdict = agree_as_lines_land(ctl, this_call, sig, my_flags, epochs, rank, p, mine, slot_lines,
+                                            first, packs, low, high);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) {
         if (i != first) read_lines(low, high, mine, slot_lines, i, rank, p);
