@@ -84,8 +84,8 @@ def test_peer_memory_auto_table_picks_by_size():
     from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, TABLE_FOR_RANKS, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE), limit=lambda algorithm: 1 << 62)
-    assert [PeerMemory.choose(pm, n) for n in (1024, 16 << 10, 64 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] \
-        == ["one_shot_ll", "one_shot_ll", "one_shot", "two_shot", "two_shot", "ring"]
+    assert [PeerMemory.choose(pm, n) for n in (1024, 256 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] \
+        == ["one_shot_ll", "one_shot_ll", "two_shot", "two_shot", "ring"]
     pm.table = [(4096, "ring"), (1 << 20, "two_shot")]
     assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
     pm.table = list(TABLE_FOR_RANKS[2])  # two ranks: the one-shots longer

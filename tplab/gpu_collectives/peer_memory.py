@@ -10,9 +10,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
 
     algorithm      rounds  NVLink bytes per rank          for
     one_shot       1       (p-1)·n read                    small messages: latency is all that counts
-    one_shot_ll    1       2(p-1)·n written: each 8 bytes  the smallest messages: the data carries its own
-                           of data go with a 4-byte flag   "ready" flag, so no barrier and no remote read
-                           twice (NCCL's LL protocol)
+    one_shot_ll    1       2(p-1)·n written: each 8 bytes  small messages (to 256 KiB): the data carries
+                           of data go with a 4-byte flag   its own "ready" flag, so no barrier and no
+                           twice (NCCL's LL protocol)      remote read
     two_shot       2       2(p-1)/p·n written: push the    large messages on a switch (NVSwitch): every
                            chunks to their owners, then    link busy at once
                            the results to everyone
@@ -55,13 +55,14 @@ SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
-LL_THREADS = 128            # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
+LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
+                            #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink (data/gpu_frontier_4x-h100_small-messages_pushed-two-shot.csv and _256MiB_pushed-two-shot.csv, from
-# CUDA graphs: one_shot_ll to 16 KiB, one_shot at 64 and 256 KiB -- in the run before too --, two_shot at 1 and
-# 4 MiB, the ring at 256 MiB); tune() measures it again on the machine at hand (at p = 2 the one-shots win up
-# to larger sizes).
-DEFAULT_TABLE = ((16 << 10, "one_shot_ll"), (256 << 10, "one_shot"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# NVLink from CUDA graphs: one_shot_ll up to its limit, 256 KiB (data/gpu_frontier_4x-h100_small-messages_
+# lines-and-agreement.csv: since it waits for its agreement and data together, in blocks of 64 threads, it is
+# ahead of one_shot at every size), two_shot to 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv);
+# tune() measures it again on the machine at hand (at p = 2 the one-shots win up to larger sizes).
+DEFAULT_TABLE = ((256 << 10, "one_shot_ll"), (16 << 20, "two_shot"), (1 << 62, "ring"))
 # On 2 GPUs a one-shot reads (or writes) as many bytes as two_shot moves and synchronises once: measured on
 # 2x H100 (data/gpu_frontier_2x-h100_small-messages.csv, _256MiB.csv), one_shot_ll to 256 KiB, one_shot to
 # 4 MiB, two_shot beyond (at 256 MiB ahead of the ring).
