@@ -206,10 +206,10 @@ def allreduce_time_parts(parts, after=None, before=None):
         left.axhline(empty.iloc[0], color="0.75", lw=1, label="an empty kernel")
     shown = two[two.kernel.isin(["one_shot_ll", "agree_only", "empty kernel"])].graph_us
     left.set(title="2 GPUs: what the argument agreement costs", ylim=(0, 1.5 * shown.max()))
-    four = parts[(parts.ranks == 4) & (parts.stage == parts[parts.ranks == 4].stage.iloc[-1]) & parts.agreement]
+    four = parts[(parts.ranks == 4) & (parts.stage == "final") & parts.agreement]
     for kernel in ("one_shot", "one_shot_ll"):
         rows = four[four.kernel == kernel].sort_values("size")
-        right.plot(rows["size"], rows.graph_us, "-", marker="o", color=color_of(kernel), label=f"{kernel}, now")
+        right.plot(rows["size"], rows.graph_us, "-", marker="o", color=color_of(kernel), label=f"{kernel}, after")
     for frame, names, style, when in ((before, ["peer_one_shot"], "--", "before"),
                                       (after, ["nccl_symmetric", "symm_mem_two_shot"], "-", "same run")):
         if frame is None:

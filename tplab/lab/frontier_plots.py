@@ -1,0 +1,78 @@
+"""Figures of notebook 03's last GPU sections: a small all-reduce waiting for its agreement and its data
+together, and what the links carry at most next to what the large all-reduces get. Same conventions as
+``reference_plots`` (one question per figure, the algorithms in their ``color_of`` colours).
+
+    waiting_together(parts)              one_shot_ll before and after, two A/B runs on 4 GPUs, and its floor
+    link_ceiling(ceiling, allreduces)    GB/s out of each GPU: the wire alone, and three all-reduces' bus bandwidth
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from tplab.lab.plots import MAX_WIDTH, color_of
+
+# (stage prefix in gpu_allreduce_time_parts_*.csv, label, line style): each panel is one run, rounds interleaved
+RUNS = (
+    ("4 GPUs, run 1", "run 1 (blocks of 128 threads)", (
+        ("agreement first, then the data", "the agreement first, then the data", "--"),
+        ("agreement and first lines in the same trips", "both in the same trips", "-"))),
+    ("4 GPUs, run 4", "run 4 (blocks of 64 threads)", (
+        ("agreement and first lines in the same trips", "both in the same trips", "--"),
+        ("and block 0 reads the outcomes itself", "and no thread-0 verdict (as committed)", "-"))),
+)
+
+
+def _median_by_size(rows):
+    return rows.groupby("size").graph_us.median()
+
+
+def waiting_together(parts):
+    """one_shot_ll on 4 GPUs from CUDA graphs, per call, the median over interleaved rounds of one run per
+    panel: waiting for the agreement and then the data, against both in the same trips (left), and against
+    block 0 deciding without thread 0's verdict step (right). Dotted: the kernel with no agreement at all."""
+    fig, axes = plt.subplots(1, 2, figsize=(min(11.0, MAX_WIDTH), 4.0), constrained_layout=True, sharey=True)
+    ll = color_of("one_shot_ll")
+    for ax, (run, title, stages) in zip(axes, RUNS):
+        in_run = parts[(parts.ranks == 4) & parts.stage.str.startswith(run) & (parts.kernel == "one_shot_ll")]
+        for key, label, style in stages:
+            rows = in_run[in_run.stage.str.contains(key, regex=False)]
+            with_agreement = _median_by_size(rows[rows.agreement])
+            ax.plot(with_agreement.index, with_agreement.values, style, marker="o", color=ll, label=label)
+        last = in_run[in_run.stage.str.contains(stages[-1][0], regex=False) & ~in_run.agreement]
+        alone = _median_by_size(last)
+        ax.plot(alone.index, alone.values, ":", marker=".", color="0.4", label="no agreement at all")
+        ax.set(xscale="log", xlabel="bytes per rank", title=title, ylim=(0, None))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("µs per all-reduce (CUDA graph)")
+    return fig
+
+
+def link_ceiling(ceiling, allreduces):
+    """GB/s out of each GPU while every GPU sends to every peer at once (gpu_link_ceiling_*.csv: copy engines,
+    SM loads, SM stores; the best grid of each, the median of the rounds) and to one peer only, next to the
+    bus bandwidth of the 256 MiB all-reduces timed on the same machine (``allreduces``: tplab bench rows)."""
+    fig, ax = plt.subplots(figsize=(min(8.0, MAX_WIDTH), 3.8), constrained_layout=True)
+    labels, values, colors = [], [], []
+    names = {("copy_engine", "push"): "copy engines, writes", ("copy_engine", "pull"): "copy engines, reads",
+             ("sm", "push"): "SM stores", ("sm", "pull"): "SM loads", ("sm_4_per_thread", "push"): "SM stores, 4 in flight"}
+    for peers, where in ((ceiling.peers_at_once.max(), "to all peers at once"), (1, "to one peer")):
+        rows = ceiling[ceiling.peers_at_once == peers]
+        best = rows.groupby(["method", "direction", "blocks"]).GBps_per_gpu.median().groupby(level=[0, 1]).max()
+        for (method, direction), gbps in best.sort_values().items():
+            labels.append(f"{names.get((method, direction), method)}, {where}")
+            values.append(gbps)
+            colors.append("0.55" if peers == 1 else "0.3")
+    for algorithm, rows in allreduces.groupby("algorithm"):
+        labels.append(f"all-reduce of 256 MiB: {algorithm} (bus bandwidth)")
+        values.append(rows.busbw.median())
+        colors.append(color_of(algorithm))
+    ax.barh(range(len(values)), values, color=colors)
+    ax.set_yticks(range(len(values)), labels, fontsize=8)
+    ax.invert_yaxis()
+    top = max(v for v, label in zip(values, labels) if "all peers" in label)
+    ax.axvline(top, color="0.3", ls="--", lw=1)
+    ax.set(xlabel="GB/s out of each GPU", title=f"the wire's ceiling ({top:.0f} GB/s) and the all-reduces")
+    ax.grid(alpha=0.3, axis="x")
+    return fig
