@@ -255,7 +255,7 @@ def test_bad_arguments_raise_on_every_rank():
             PEERS.allreduce(cupy.zeros(64, dtype="float32"), "one_shot_ll" if COMM.rank == 0 else "two_shot")
         with pytest.raises(ValueError, match="ranks disagree"):
             PEERS.allreduce(cupy.zeros(64 + 4 * COMM.rank, dtype="float32"), "one_shot_ll")
-        # one_shot_ll waits for its data and the agreement together: rank 0's 32 blocks of lines, of which
+        # one_shot_ll waits for its data and the agreement together: rank 0's 64 blocks of lines, of which
         # the peers push only the first's, must stop waiting once the agreement has failed (no timeout)
         with pytest.raises(ValueError, match="ranks disagree"):
             PEERS.allreduce(cupy.zeros(16384 if COMM.rank == 0 else 256, dtype="float32"), "one_shot_ll")

@@ -41,7 +41,7 @@ struct Call {
     unsigned int failed;              // Control::failed as the call started (failed_before says what it means)
     unsigned int number;              // this call's number: calls finished here + 1 (the same on every rank)
     unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
-                                      //  moves the count once it has agreed)
+                                      //  moves the count once it has agreed, one_shot_ll at its end)
     unsigned int barriers;            // barriers this block has passed (epochs[blockIdx.x]; finish writes it back)
 };
 __device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned int* epochs) {

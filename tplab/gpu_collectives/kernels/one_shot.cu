@@ -125,19 +125,27 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
         ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
         if (!signature_due && (lead ? *(volatile int*)&doomed
                                     : (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed)) break;
-        if ((spins & 1023u) == 0 && should_give_up(ctl, start)) {
-            if (signature_due) { outcome[t] = TIMEOUT; *(volatile int*)&doomed = 1; }   // (agree: a peer that
-            else give_up_on(ctl, missing_line(low, high, call, rank, p), call);   //  never came; else one that
-            break;                                                                //  died mid-call)
+        if ((spins & 1023u) == 0) {
+            if (signature_due && globaltimer() - start > ctl->timeout_ns) {   // as agree: a peer that never came
+                outcome[t] = TIMEOUT;                                          // (its own clock only, so that
+                *(volatile int*)&doomed = 1;                                   //  the status names that peer)
+                break;
+            }
+            if (!signature_due && should_give_up(ctl, start)) {               // a peer that died mid-call
+                give_up_on(ctl, missing_line(low, high, call, rank, p), call);
+                break;
+            }
         }
     }
     __syncthreads();
     if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
     if (lead) {
         // All agreed (every thread of block 0 reads the outcomes itself): go on at once. The verdict goes to
-        // the other blocks, and the agreement is counted at the kernel's end (count_agreement) -- thread 0
-        // deciding for the block between two more barriers cost half a microsecond a call on 4x H100.
-        bool agreed = true;
+        // the other blocks, and the agreement is counted at the kernel's end (count_agreement: a return
+        // between here and there would leave this rank's count behind its peers') -- thread 0 deciding for
+        // the block between two more barriers cost half a microsecond a call on 4x H100. (A rank that only
+        // came to refuse its input never agrees: decide says SELF_REFUSED.)
+        bool agreed = sig != REFUSED;
         for (int r = 0; r < p; r++) agreed = agreed && outcome[r] == AGREED;
         if (agreed) {
             if (t == 0 && gridDim.x > 1)
