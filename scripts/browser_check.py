@@ -178,7 +178,8 @@ def start_jupyterlab(lab: Path, port, token, env, log_path: Path):
     # expose_app_in_browser: window.jupyterapp, to wait for the notebook's kernel (KERNEL_READY_JS)
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={lab}", "--LabApp.expose_app_in_browser=True"]
+               f"--ServerApp.root_dir={lab}", "--LabApp.expose_app_in_browser=True",
+               "--KernelManager.transport=ipc"]   # (as make lab: kernels over Unix sockets, not TCP ports)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")
     log(f"JupyterLab on 127.0.0.1:{port}, serving {lab}")

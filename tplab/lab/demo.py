@@ -23,6 +23,25 @@ from pathlib import Path
 DEMO_CLUSTER_ID = "tplab-demo"
 
 
+def _kernel_over_unix_sockets() -> dict:
+    """papermill's keyword for a kernel that talks to this process over Unix sockets (ZeroMQ's IPC
+    transport, the socket files in Jupyter's private runtime folder) instead of TCP ports on 127.0.0.1: no
+    port for another local user to reach, and no "Kernel is running over TCP without encryption" warning
+    from ipykernel. Where Unix sockets are missing (Windows), the default TCP kernel."""
+    import os
+
+    if os.name != "posix":
+        return {}
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
+
+    class UnixSocketKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _transport_default(self):
+            return "ipc"
+    return {"kernel_manager_class": UnixSocketKernelManager}
+
+
 def execute_notebooks(notebooks, out_dir, *, parameters: dict, timeout=900, html=True,
                       log=print) -> list[dict]:
     """Execute each notebook with papermill into ``out_dir`` (plus an HTML copy); go on after a failure.
@@ -54,7 +73,7 @@ def execute_notebooks(notebooks, out_dir, *, parameters: dict, timeout=900, html
                 # venv's Python, even when its bin/ is not on PATH
                 kernel_name="python3",
                 cwd=str(notebook.resolve().parent), execution_timeout=timeout,
-                progress_bar=False, log_output=False,
+                progress_bar=False, log_output=False, **_kernel_over_unix_sockets(),
             )
         except papermill.PapermillExecutionError as e:  # a cell raised: the notebook is still written
             error = f"{e.ename}: {_first_line(e.evalue)} (cell [{e.exec_count}])"
