@@ -246,3 +246,22 @@ def test_a_failure_half_way_up_leaves_nothing(monkeypatch):
     with pytest.raises(nodes.NodesError, match="tc broke"):
         nodes.up(nodes.Layout(nodes=2))
     assert namespaces.existing() == [] and not namespaces.STATE_DIR.exists()
+
+
+@needs_namespaces
+def test_two_ups_at_once_take_turns():
+    """Two `tplab nodes up` started together (two users, two terminals) take turns: both succeed, one after
+    the other, and what is up afterwards is one whole layout, not a mix of the two."""
+    command = [sys.executable, "-m", "tplab", "nodes", "up", "--nodes", "{n}", "--ranks-per-node", "1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        runs = [subprocess.Popen([a.format(n=n) for a in command], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for n in (2, 3)]
+        outputs = [run.communicate(timeout=120)[0] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0], outputs
+        layout = nodes.current()
+        assert namespaces.existing() == sorted(layout.names + [namespaces.SWITCH])
+        assert layout.hostfile.read_text().count("tplab-node") == layout.nodes
+    finally:
+        nodes.down()
+    assert namespaces.existing() == []

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -152,17 +153,51 @@ def kernel_has_netem(probe_namespace: str) -> bool:
 
 
 # ---- up, down, status ---------------------------------------------------------------------------------------
+@contextmanager
+def _one_at_a_time(wait: float = 120.0):
+    """Hold the machine-wide lock of tplab's namespaces (an flock beside STATE_DIR, which ``down`` deletes):
+    a second ``up`` or ``down`` started meanwhile (another terminal, another user) waits its turn instead of
+    making and deleting the same namespaces at the same time -- which failed both. NodesError after ``wait``
+    seconds, naming the process that holds it."""
+    import fcntl  # (POSIX; namespaces are Linux's anyway)
+
+    path = Path(f"{STATE_DIR}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as lock:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    lock.seek(0)
+                    raise NodesError(f"another tplab nodes up/down (pid {lock.read().strip() or '?'}) has held "
+                                     f"{path} for {wait:.0f} s") from None
+                time.sleep(0.1)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def up(layout: Layout, mpiexec: str | None = None) -> Layout:
-    """Make the nodes (tearing down any left over first). On a failure half way, tear down and raise."""
+    """Make the nodes (tearing down any left over first). On a failure half way, tear down and raise. One
+    ``up`` or ``down`` at a time on a machine: a second one waits (_one_at_a_time)."""
     check_can_run()
-    down(quiet=True)
-    try:
-        _make(layout)
-        layout.mpiexec = mpiexec or _default_mpiexec()
-        _write_state(layout)
-    except BaseException:
-        down(quiet=True)
-        raise
+    with _one_at_a_time():
+        _down()
+        try:
+            _make(layout)
+            layout.mpiexec = mpiexec or _default_mpiexec()
+            _write_state(layout)
+        except BaseException:
+            _down()
+            raise
     return layout
 
 
@@ -211,6 +246,11 @@ def down(quiet: bool = False) -> list[str]:
     namespaces deleted. Safe to call when nothing is up."""
     if not quiet:
         check_can_run()
+    with _one_at_a_time():
+        return _down()
+
+
+def _down() -> list[str]:
     removed = []
     for name in existing():
         stop_processes_in(name)
