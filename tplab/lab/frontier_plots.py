@@ -9,18 +9,21 @@ together, and what the links carry at most next to what the large all-reduces ge
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from tplab.lab.plots import MAX_WIDTH, color_of
 
-# (stage prefix in gpu_allreduce_time_parts_*.csv, label, line style): each panel is one run, rounds interleaved
+# (stage prefix in gpu_allreduce_time_parts_*.csv, title, ((stage key, label, line style), ...)): each panel
+# is one run, its rounds interleaved
 RUNS = (
-    ("4 GPUs, run 1", "run 1 (blocks of 128 threads)", (
+    ("4 GPUs, run 1", "run 1: blocks of 128 threads", (
         ("agreement first, then the data", "the agreement first, then the data", "--"),
-        ("agreement and first lines in the same trips", "both in the same trips", "-"))),
-    ("4 GPUs, run 4", "run 4 (blocks of 64 threads)", (
-        ("agreement and first lines in the same trips", "both in the same trips", "--"),
-        ("and block 0 reads the outcomes itself", "and no thread-0 verdict (as committed)", "-"))),
+        ("agreement and first lines in the same trips", "everything in the same trips", "-"))),
+    ("4 GPUs, run 4", "run 4: blocks of 64 threads", (
+        ("agreement and first lines in the same trips", "everything in the same trips", "--"),
+        ("and block 0 reads the outcomes itself", "and no thread-0 verdict step", "-"))),
 )
+SIZES = (1 << 10, 16 << 10, 64 << 10, 256 << 10)
 
 
 def _median_by_size(rows):
@@ -29,23 +32,25 @@ def _median_by_size(rows):
 
 def waiting_together(parts):
     """one_shot_ll on 4 GPUs from CUDA graphs, per call, the median over interleaved rounds of one run per
-    panel: waiting for the agreement and then the data, against both in the same trips (left), and against
-    block 0 deciding without thread 0's verdict step (right). Dotted: the kernel with no agreement at all."""
-    fig, axes = plt.subplots(1, 2, figsize=(min(11.0, MAX_WIDTH), 4.0), constrained_layout=True, sharey=True)
+    panel (each panel its own scale): waiting for the agreement and then the data, against everything in
+    the same trips (left), and against block 0 deciding without thread 0's verdict step (right). Teal: with
+    the agreement; grey: the same kernel with no agreement at all (the ranks agreed beforehand)."""
+    fig, axes = plt.subplots(1, 2, figsize=(min(11.0, MAX_WIDTH), 4.2), constrained_layout=True)
     ll = color_of("one_shot_ll")
     for ax, (run, title, stages) in zip(axes, RUNS):
         in_run = parts[(parts.ranks == 4) & parts.stage.str.startswith(run) & (parts.kernel == "one_shot_ll")]
         for key, label, style in stages:
             rows = in_run[in_run.stage.str.contains(key, regex=False)]
-            with_agreement = _median_by_size(rows[rows.agreement])
-            ax.plot(with_agreement.index, with_agreement.values, style, marker="o", color=ll, label=label)
-        last = in_run[in_run.stage.str.contains(stages[-1][0], regex=False) & ~in_run.agreement]
-        alone = _median_by_size(last)
-        ax.plot(alone.index, alone.values, ":", marker=".", color="0.4", label="no agreement at all")
+            for agreed, color, what in ((True, ll, label), (False, "0.55", f"{label}, no agreement")):
+                line = _median_by_size(rows[rows.agreement == agreed])
+                ax.plot(line.index, line.values, style, marker="o" if agreed else ".", color=color, label=what)
         ax.set(xscale="log", xlabel="bytes per rank", title=title, ylim=(0, None))
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        ax.set_xticks(SIZES, [f"{size >> 10} KiB" for size in SIZES])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7.5)
     axes[0].set_ylabel("µs per all-reduce (CUDA graph)")
+    fig.suptitle("one_shot_ll on 4x H100, per call", fontsize=10)
     return fig
 
 
@@ -57,15 +62,17 @@ def link_ceiling(ceiling, allreduces):
     labels, values, colors = [], [], []
     names = {("copy_engine", "push"): "copy engines, writes", ("copy_engine", "pull"): "copy engines, reads",
              ("sm", "push"): "SM stores", ("sm", "pull"): "SM loads", ("sm_4_per_thread", "push"): "SM stores, 4 in flight"}
+    shades = {"to all peers at once": "0.3", "to one peer": "0.6"}
     for peers, where in ((ceiling.peers_at_once.max(), "to all peers at once"), (1, "to one peer")):
         rows = ceiling[ceiling.peers_at_once == peers]
         best = rows.groupby(["method", "direction", "blocks"]).GBps_per_gpu.median().groupby(level=[0, 1]).max()
         for (method, direction), gbps in best.sort_values().items():
             labels.append(f"{names.get((method, direction), method)}, {where}")
             values.append(gbps)
-            colors.append("0.55" if peers == 1 else "0.3")
+            colors.append(shades[where])
+    names_of = {"peer_ring": "tplab's ring", "peer_two_shot": "tplab's two_shot", "nccl": "NCCL"}
     for algorithm, rows in allreduces.groupby("algorithm"):
-        labels.append(f"all-reduce of 256 MiB: {algorithm} (bus bandwidth)")
+        labels.append(f"all-reduce of 256 MiB, {names_of.get(algorithm, algorithm)}: bus bandwidth")
         values.append(rows.busbw.median())
         colors.append(color_of(algorithm))
     ax.barh(range(len(values)), values, color=colors)
@@ -73,6 +80,9 @@ def link_ceiling(ceiling, allreduces):
     ax.invert_yaxis()
     top = max(v for v, label in zip(values, labels) if "all peers" in label)
     ax.axvline(top, color="0.3", ls="--", lw=1)
-    ax.set(xlabel="GB/s out of each GPU", title=f"the wire's ceiling ({top:.0f} GB/s) and the all-reduces")
+    ax.legend(handles=[Patch(color=shade, label=f"the wire alone, {where}") for where, shade in shades.items()],
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.16), ncol=2)
+    ax.set(xlabel="GB/s out of each GPU (4x H100)",
+           title=f"the wire's ceiling ({top:.0f} GB/s, dashed) and the all-reduces")
     ax.grid(alpha=0.3, axis="x")
     return fig
