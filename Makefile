@@ -65,7 +65,9 @@ demo: setup
 	$(BIN)/tplab demo --ranks $(N) --out build
 
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --KernelManager.transport=ipc --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 \
+	    --KernelManager.transport=$$($(BIN)/python -c 'from tplab.lab.demo import kernel_transport; print(kernel_transport())') \
+	    --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 $(BROWSER_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[browser]"

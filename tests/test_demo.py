@@ -99,3 +99,14 @@ def test_run_demo_passes_when_every_notebook_runs(tmp_path, ipython_dir, monkeyp
     assert run_demo(ranks=2, out=str(tmp_path / "b"), notebooks=[NOTEBOOKS / "plain.ipynb"]) == 0
     assert "1 of 1 notebooks ran" in capsys.readouterr().out
     assert os.path.exists(tmp_path / "b" / "plain.html")
+
+
+def test_kernels_talk_over_unix_sockets_where_their_names_fit(monkeypatch, tmp_path):
+    """Notebook kernels use ZeroMQ's IPC transport (no TCP port) when Jupyter's runtime folder leaves room for
+    the socket names (107 bytes a path), TCP otherwise -- a long home folder on a cluster, say."""
+    from tplab.lab.demo import kernel_transport
+
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", "/tmp/short")
+    assert kernel_transport() == ("ipc" if os.name == "posix" else "tcp")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", "/home/" + "a-long-folder-name/" * 4 + "runtime")
+    assert kernel_transport() == "tcp"

@@ -23,14 +23,24 @@ from pathlib import Path
 DEMO_CLUSTER_ID = "tplab-demo"
 
 
-def _kernel_over_unix_sockets() -> dict:
-    """papermill's keyword for a kernel that talks to this process over Unix sockets (ZeroMQ's IPC
-    transport, the socket files in Jupyter's private runtime folder) instead of TCP ports on 127.0.0.1: no
-    port for another local user to reach, and no "Kernel is running over TCP without encryption" warning
-    from ipykernel. Where Unix sockets are missing (Windows), the default TCP kernel."""
+def kernel_transport() -> str:
+    """How a notebook's kernel should talk to Jupyter here: "ipc" (ZeroMQ over Unix sockets, the socket files
+    in Jupyter's private runtime folder) where that works, else "tcp" (ports on 127.0.0.1). IPC opens no port
+    another local user could reach, and ipykernel 7 warns that TCP is unencrypted. It needs Unix sockets (not
+    Windows) and a runtime folder short enough for their names: a socket's path holds at most 107 bytes, and
+    the kernel's are the folder plus "/kernel-<36-character id>-ipc-<n>" (50 more). ``make lab`` asks too."""
     import os
 
     if os.name != "posix":
+        return "tcp"
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return "ipc" if len(os.fsencode(jupyter_runtime_dir())) + 50 <= 107 else "tcp"
+
+
+def _kernel_over_unix_sockets() -> dict:
+    """papermill's keyword for a kernel over Unix sockets where ``kernel_transport`` says so (else none)."""
+    if kernel_transport() != "ipc":
         return {}
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
