@@ -42,13 +42,23 @@ def _kernel_over_unix_sockets() -> dict:
     """papermill's keyword for a kernel over Unix sockets where ``kernel_transport`` says so (else none)."""
     if kernel_transport() != "ipc":
         return {}
+    import os
+    import uuid
+
     from jupyter_client.manager import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
     from traitlets import default
 
     class UnixSocketKernelManager(AsyncKernelManager):
         @default("transport")
         def _transport_default(self):
             return "ipc"
+
+        @default("ip")
+        def _ip_default(self):  # (jupyter_client's default, "kernel-ipc", is relative: to the kernel's folder
+            folder = jupyter_runtime_dir()   # when it binds, to this process's when it connects)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            return os.path.join(folder, f"kernel-{uuid.uuid4()}-ipc")
     return {"kernel_manager_class": UnixSocketKernelManager}
 
 
