@@ -16,6 +16,7 @@ cluster started here is shared by all notebooks, so its start-up (seconds) is pa
 from __future__ import annotations
 
 import html
+import os
 import re
 import time
 from pathlib import Path
@@ -29,8 +30,6 @@ def kernel_transport() -> str:
     another local user could reach, and ipykernel 7 warns that TCP is unencrypted. It needs Unix sockets (not
     Windows) and a runtime folder short enough for their names: a socket's path holds at most 107 bytes, and
     the kernel's are the folder plus "/kernel-<36-character id>-ipc-<n>" (50 more). ``make lab`` asks too."""
-    import os
-
     if os.name != "posix":
         return "tcp"
     from jupyter_core.paths import jupyter_runtime_dir
@@ -42,7 +41,6 @@ def _kernel_over_unix_sockets() -> dict:
     """papermill's keyword for a kernel over Unix sockets where ``kernel_transport`` says so (else none)."""
     if kernel_transport() != "ipc":
         return {}
-    import os
     import uuid
 
     from jupyter_client.manager import AsyncKernelManager
