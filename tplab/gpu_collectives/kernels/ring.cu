@@ -2,6 +2,40 @@
 // Compiled as one source with the files before it (tplab.gpu_collectives.peer_kernels.KERNEL_FILES,
 // in that order; memory_model.cuh explains the whole).
 
+// The two loops both rings share, two packs per thread per trip (FOR_MY_PACK_PAIRS):
+// a chunk's packs read from a peer's slots (``from``) plus this rank's own x, stored into ``dst`` and, where
+// ``also`` is not null, into ``also`` too;
+template <typename T>
+__device__ __forceinline__ void add_and_store(const uint4* from, const uint4* x, uint4* dst, uint4* also,
+                                              long long f, long long l) {
+    FOR_MY_PACK_PAIRS(i, j, f, l) {
+        const bool two = j < l;
+        const uint4 a = load_peer(from + i), xa = x[i];
+        uint4 b, xb;
+        if (two) { b = load_peer(from + j); xb = x[j]; }
+        const uint4 u = add_packs<T>(a, xa);
+        dst[i] = u;
+        if (also) also[i] = u;
+        if (two) {
+            const uint4 v = add_packs<T>(b, xb);
+            dst[j] = v;
+            if (also) also[j] = v;
+        }
+    }
+}
+// and a finished chunk's packs read from a peer's slots into ``out``, and passed on into ``pass_to`` unless null.
+__device__ __forceinline__ void take_and_pass(const uint4* from, uint4* out, uint4* pass_to, long long f, long long l) {
+    FOR_MY_PACK_PAIRS(i, j, f, l) {
+        const bool two = j < l;
+        const uint4 a = load_peer(from + i);
+        uint4 b;
+        if (two) b = load_peer(from + j);
+        out[i] = a;
+        if (pass_to) pass_to[i] = a;
+        if (two) { out[j] = b; if (pass_to) pass_to[j] = b; }
+    }
+}
+
 // ---- ring_pull: reduce-scatter then allgather with the left neighbour only, p-1 steps each -------------
 // Read-based ring (also for inputs already in the shared buffer): at reduce-scatter step s rank r reads the left neighbour's partial sum of chunk
 // c = r-s-1 and adds its own x[c]; at allgather step s it copies the finished chunk r-s from the left.
@@ -26,35 +60,14 @@ __global__ void ring_pull(const uint4* x, uint4* out, uint4* const* bufs, unsign
         const int c = (rank - s - 1 + 2 * p) % p;
         CHUNK_RANGE(c, f, l);
         const bool finished = (s == p - 2);                      // chunk r+1 is complete here
-        FOR_MY_PACK_PAIRS(i, j, f, l) {
-            const bool two = j < l;
-            const uint4 a = load_peer(from_left + i), xa = x[i];
-            uint4 b, xb;
-            if (two) { b = load_peer(from_left + j); xb = x[j]; }
-            const uint4 u = add_packs<T>(a, xa);
-            mine[i] = u;
-            if (finished) out[i] = u;
-            if (two) {
-                const uint4 v = add_packs<T>(b, xb);
-                mine[j] = v;
-                if (finished) out[j] = v;
-            }
-        }
+        add_and_store<T>(from_left, x, mine, finished ? out : nullptr, f, l);
         barrier(flags, this_call, rank, neighbours);
     }
     for (int s = 0; s < p - 1; s++) {                            // allgather
         const int c = (rank - s + p) % p;
         CHUNK_RANGE(c, f, l);
         const bool pass_on = (s < p - 2);                        // the right neighbour still needs it
-        FOR_MY_PACK_PAIRS(i, j, f, l) {
-            const bool two = j < l;
-            const uint4 a = load_peer(from_left + i);
-            uint4 b;
-            if (two) b = load_peer(from_left + j);
-            out[i] = a;
-            if (pass_on) mine[i] = a;
-            if (two) { out[j] = b; if (pass_on) mine[j] = b; }
-        }
+        take_and_pass(from_left, out, pass_on ? mine : nullptr, f, l);
         barrier(flags, this_call, rank, neighbours);
     }
 #undef CHUNK_RANGE
@@ -100,30 +113,14 @@ __global__ void ring(const uint4* x, uint4* out, uint4* const* bufs, unsigned in
     }
     {   const int c = (rank + 1) % p;                            // the last addition: chunk r+1 complete
         CHUNK_RANGE(c, f, l);
-        FOR_MY_PACK_PAIRS(i, j, f, l) {
-            const bool two = j < l;
-            const uint4 a = add_packs<T>(load_peer(slot + i), x[i]);
-            uint4 b;
-            if (two) b = add_packs<T>(load_peer(slot + j), x[j]);
-            out[i] = a;
-            if (p > 1) to_right[i] = a;                          // allgather step 0: pass it on
-            if (two) { out[j] = b; if (p > 1) to_right[j] = b; }
-        }
+        add_and_store<T>(slot, x, out, p > 1 ? to_right : nullptr, f, l);   // (and allgather step 0: pass it on)
         barrier(flags, this_call, rank, neighbours);
     }
     for (int t = 1; t < p; t++) {                                // allgather: take, pass on
         const int c = (rank + 1 - t + p) % p;
         CHUNK_RANGE(c, f, l);
         const bool pass_on = (t < p - 1);                        // R still lacks it
-        FOR_MY_PACK_PAIRS(i, j, f, l) {
-            const bool two = j < l;
-            const uint4 a = load_peer(slot + i);
-            uint4 b;
-            if (two) b = load_peer(slot + j);
-            out[i] = a;
-            if (pass_on) to_right[i] = a;
-            if (two) { out[j] = b; if (pass_on) to_right[j] = b; }
-        }
+        take_and_pass(slot, out, pass_on ? to_right : nullptr, f, l);
         barrier(flags, this_call, rank, neighbours);
     }
 #undef CHUNK_RANGE
