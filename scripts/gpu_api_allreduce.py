@@ -27,6 +27,7 @@ import tplab  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
 from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
 from tplab.gpu_collectives import PeerMemoryComm  # noqa: E402
+from tplab.toolkit.arrays import external_stream  # noqa: E402
 from tplab.toolkit.machine import software  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -79,7 +80,7 @@ def main():
         dist.all_reduce(want)
         out = torch.empty_like(x)
         persistent = comm.peers.allreduce_init(cupy.from_dlpack(x), cupy.from_dlpack(out), "auto")
-        torch_stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        torch_stream = external_stream(torch.cuda.current_stream().cuda_stream)
 
         def run_persistent():
             with torch_stream:

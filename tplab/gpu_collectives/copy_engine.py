@@ -44,7 +44,7 @@ import numpy as np
 from tplab.comm.base import Communicator, Unsupported
 from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy, type_name
 from tplab.gpu_collectives.peer_memory import PeerMemory
-from tplab.toolkit.arrays import is_torch
+from tplab.toolkit.arrays import external_stream, is_torch
 
 MEMCPY_DEVICE_TO_DEVICE = 3
 
@@ -148,12 +148,11 @@ class CopyEngineComm(Communicator):
         return lambda t, comm: comm._allreduce_tensor(t)   # (holds no communicator)
 
     def _allreduce_tensor(self, t):
-        import cupy
         import torch
 
         t = t.contiguous() if self.in_place else t.clone()
         raw, element = torch_as_cupy(t)
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        with external_stream(torch.cuda.current_stream().cuda_stream):
             self.allreduce_(raw, element)
         return t
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send, out_problem
 from tplab.gpu_collectives.copy_engine import MEMCPY_DEVICE_TO_DEVICE, StreamBarriers
 from tplab.gpu_collectives.peer_memory import PeerMemory
+from tplab.toolkit.arrays import external_stream
 
 ALIGN = 256  # bytes: every slot starts on a boundary that any element type and the copy engines like
 
@@ -259,6 +260,4 @@ def _copy(dst: int, src: int, nbytes: int, stream, piece: int = 0) -> None:
 
 
 def _cupy_stream(stream):
-    import cupy
-
-    return cupy.cuda.ExternalStream(stream.cuda_stream)
+    return external_stream(stream.cuda_stream)

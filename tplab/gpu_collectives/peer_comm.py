@@ -29,7 +29,7 @@ from tplab.comm.wrapped import Wrapped
 from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
 from tplab.gpu_collectives.peer_memory import PeerMemory
 from tplab.gpu_collectives.signature import signature
-from tplab.toolkit.arrays import is_gpu_array, is_torch, torch_stream_pointer
+from tplab.toolkit.arrays import external_stream, is_gpu_array, is_torch, torch_stream_pointer
 
 KERNELS = ("auto", "one_shot_ll", "one_shot", "two_shot", "ring")
 
@@ -216,13 +216,11 @@ class AllreducePlan:
 
 def _cupy_launcher(kernel, blocks, threads, args):
     """Where libcuda cannot be loaded by ctypes: CuPy's launcher, with the pointers swapped per call."""
-    import cupy
-
     args = list(args)
 
     def launch(source, target, stream):
         args[0], args[1] = np.uint64(source), np.uint64(target)  # (a pointer is a 64-bit argument)
-        with cupy.cuda.ExternalStream(stream):
+        with external_stream(stream):
             kernel((blocks,), (threads,), tuple(args))
     return launch
 

@@ -35,7 +35,7 @@ import numpy as np
 
 import tplab
 from tplab.comm import world
-from tplab.toolkit.arrays import array_module
+from tplab.toolkit.arrays import array_module, external_stream
 from tplab.comm import communicator
 from tplab.comm.devices import to_device
 from tplab.lab import anchors
@@ -119,16 +119,15 @@ def _timed_in_graph(fn, comm, iters, reps: int = 7) -> np.ndarray:
     """Seconds per call of ``iters`` calls captured in one CUDA graph, one entry per replay (``reps``, each
     started together): the GPU's own time, without the host's launches. Captured on a side stream that
     torch and CuPy both take as current (plans are made per stream; the first call makes this one's)."""
-    import cupy
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with torch.cuda.stream(stream), external_stream(stream.cuda_stream):
         fn()
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with torch.cuda.graph(graph, stream=stream), external_stream(stream.cuda_stream):
         for _ in range(iters):
             fn()
     graph.replay()

@@ -114,6 +114,29 @@ def gpu_scope(x, arr):
     return scope
 
 
+class _RawStream:
+    """A raw cudaStream_t in the CUDA stream protocol (what cupy.cuda.Stream.from_external takes)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def external_stream(ptr: int, device_id: int = -1):
+    """A CUDA stream made elsewhere (torch's), as a CuPy stream object to run CuPy's work on:
+    Stream.from_external where CuPy has it (CuPy 14 deprecates ExternalStream), ExternalStream before."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(ptr, device_id)
+    return from_external(_RawStream(ptr))
+
+
 def torch_stream(device):
     """torch's current stream on ``device`` as a CuPy stream object (made once per stream)."""
     import torch
@@ -124,7 +147,7 @@ def torch_stream(device):
     if stream is None:
         import cupy
 
-        stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, index)
+        stream = cupy.cuda.Stream.null if ptr == 0 else external_stream(ptr, index)
         _external_streams[(index, ptr)] = stream
     return stream
 
