@@ -42,6 +42,7 @@ from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
 from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, programmatic_launch_works,
                                                 raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
+from tplab.toolkit.arrays import external_stream
 
 ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
@@ -55,6 +56,9 @@ SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
+MIN_THREADS = 128           # two_shot's smallest blocks, where its grid would leave SMs idle (block_threads):
+                            #  4x H100, 64 KiB-1 MiB: 12.5-15.0 us against 13.4-15.9 with 512 (~7%; 2 GPUs ~4%;
+                            #  data/gpu_two_shot_variants_4x-h100.csv); blocks of 64 were slower from 2 MiB
 LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
                             #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
@@ -316,7 +320,7 @@ class PeerMemory:
         if algorithm == "two_shot":                                    # two areas of p chunks: in rounds
             chunk = two_shot_chunk(packs, self.size, self.nbytes // PACK)
         work = packs if algorithm.startswith("one_shot") else chunk
-        threads = LL_THREADS if algorithm == "one_shot_ll" else THREADS
+        threads = block_threads(algorithm, work, self.max_blocks)
         blocks = max(1, min(self.max_blocks, -(-work // threads)))
         args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
                 np.int32(self.rank), np.int32(self.size)]
@@ -374,13 +378,12 @@ class PeerMemory:
     def allgather_torch(self, tensor, *, check: bool = False):
         """Every rank's ``tensor`` concatenated along dim 0 (torch CUDA tensors; any dtype), on torch's
         current stream: the ``gather`` of tplab.sequence (the course project's all-gather of K and V)."""
-        import cupy
         import torch
 
         tensor = tensor.contiguous()
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         x = raw_bytes(tensor)
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        with external_stream(torch.cuda.current_stream().cuda_stream):
             self.allgather(x, raw_bytes(out), check=check)
         return out
 
@@ -448,6 +451,20 @@ class PeerMemory:
             self.status = np.zeros(STATUS_WORDS, dtype=np.uint32)   # (nothing reads the freed memory)
             rt.freeHost(self._status_pointer)
             self._status_pointer = 0
+
+
+def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
+    """Threads per block of an all-reduce kernel whose blocks share ``work`` packs (each block handles the
+    same packs on every rank): one_shot_ll's LL_THREADS; two_shot's THREADS, halved down to MIN_THREADS while
+    the grid would leave multiprocessors idle (pushes over NVLink are limited by how many SMs store); THREADS."""
+    if algorithm == "one_shot_ll":
+        return LL_THREADS
+    threads = THREADS
+    if algorithm != "two_shot":   # (one_shot measured slower with smaller blocks on 2 GPUs)
+        return threads
+    while threads > MIN_THREADS and -(-work // threads) < max_blocks:
+        threads //= 2
+    return threads
 
 
 def two_shot_chunk(packs: int, p: int, area_packs: int) -> int:
