@@ -120,4 +120,5 @@ def test_the_copy_engine_gather_refuses_a_bad_out_on_every_rank():
     good = torch.empty((P, 3, 2), device="cuda")
     exchange.start_gather(shard, out=good).done()  # (a refused call leaves the exchange usable)
     agree(all(bool((good[q] == q).all()) for q in range(P)), f"gathered {good[:, 0, 0].tolist()}")
+    agree(exchange.scatter_memory is None, "an exchange that only gathered made its scatter area")
     exchange.close()

@@ -10,7 +10,8 @@ Each rank's shared memory (CUDA IPC, PeerMemory) holds two areas, each in two ha
 between calls (a call writes a half only when the call before last is over everywhere -- see below):
 
     gather area, half h:   my shard, published for the peers to pull
-    scatter area, half h:  p slots; slot q receives rank q's partial sum of my rows (slot r: my own)
+    scatter area, half h:  p slots; slot q receives rank q's partial sum of my rows (slot r: my own);
+                           made by the first start_scatter (an exchange that only gathers never needs it)
 
     start_gather(x):   side stream: copy x into my half, barrier with every peer ("all published"),
                        then p-1 side streams pull every peer's shard into a local tensor, one event each.
@@ -61,11 +62,11 @@ class CopyEngineExchange:
         self.slot = -(-int(max_shard_bytes) // ALIGN) * ALIGN
         self.device = cupy.cuda.Device().id
         self.gather_memory = PeerMemory(mpi_comm, 2 * self.slot)                 # halves of one slot
-        self.scatter_memory = PeerMemory(mpi_comm, 2 * self.size * self.slot)    # halves of p slots
+        self.scatter_memory = None     # halves of p slots, p times the gather area: made by the first scatter
         # one barrier sequence per area, each queued on one stream only (a barrier waits for ">= its number":
         # numbers of two streams would overtake each other)
         self.gather_barriers = StreamBarriers(self.gather_memory)
-        self.scatter_barriers = StreamBarriers(self.scatter_memory)
+        self.scatter_barriers = None
         with torch.cuda.device(self.device):
             self.publisher = torch.cuda.Stream()
             self.pullers = [torch.cuda.Stream() for _ in range(self.size - 1)]
@@ -159,6 +160,12 @@ class CopyEngineExchange:
 
     def start_scatter(self, like) -> "CopyEngineScatter":
         self._check(like, "start_scatter")
+        if self.scatter_memory is None:  # (collective: every rank has just agreed to this call; a program that
+            import cupy                  #  only gathers -- sequence parallelism -- never holds these p slots)
+
+            with cupy.cuda.Device(self.device):
+                self.scatter_memory = PeerMemory(self.mpi, 2 * self.size * self.slot)
+            self.scatter_barriers = StreamBarriers(self.scatter_memory)
         half = self.scatters % 2
         self.scatters += 1
         self._open["scatter"] = CopyEngineScatter(self, half, tuple(like.shape), like.dtype)
@@ -183,7 +190,8 @@ class CopyEngineExchange:
     def close(self) -> None:
         """Collective: free the shared memory."""
         self.gather_memory.close()
-        self.scatter_memory.close()
+        if self.scatter_memory is not None:
+            self.scatter_memory.close()
 
 
 class CopyEngineGather:
