@@ -1,5 +1,6 @@
 """The headline numbers of scripts/gpu_frontier.sh's run: OUT_DIR/gpu_frontier_<p>x-<card>.csv with columns
-metric, value, unit, anchor, anchor_value, card (the anchor: the best other implementation of the same run).
+metric, value, unit, anchor, anchor_value, card (the anchor: the best other implementation of the same run);
+also prints every size, from CUDA graphs, where another implementation beat tplab's best.
 
     python scripts/frontier_table.py OUT_DIR
 """
@@ -35,9 +36,10 @@ def main(out: Path) -> None:
                              anchor_value=round(anchor[1], 3), card=card))
 
     graph = small[small["mode"] == "graph"]
-    for kib in (1, 16, 64, 256):
+    for kib in (1, 16, 64, 256, 1024, 4096):
         at = graph[graph["size"] == kib << 10]
-        add(f"p2_graph_us_{kib}KiB", "us", best(at, TPLAB), best(at, set(at.algorithm) - TPLAB))
+        size = f"{kib >> 10}MiB" if kib >= 1024 else f"{kib}KiB"
+        add(f"p2_graph_us_{size}", "us", best(at, TPLAB), best(at, set(at.algorithm) - TPLAB))
     if api is not None:
         at = api[api["size"] == 64 << 10]
         add("p2_eager_us_64KiB", "us", best(at.rename(columns={"path": "algorithm"}), {"tplab.allreduce"}),
@@ -46,6 +48,12 @@ def main(out: Path) -> None:
         big = large[large["size"] == 256 << 20]
         add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
             best(big, set(big.algorithm) - TPLAB, "busbw", lowest=False))
+    behind = []   # every size measured: where another implementation beat tplab's best, and by how much
+    for size, at in graph.groupby("size"):
+        mine, other = best(at, TPLAB), best(at, set(at.algorithm) - TPLAB)
+        if mine and other and other[1] < mine[1]:
+            behind.append(f"{size >> 10} KiB: {mine[1]:.1f} against {other[0]} {other[1]:.1f} us")
+    print("tplab's best behind another, from CUDA graphs: " + ("; ".join(behind) or "nowhere"))
     slug = card.lower().replace("nvidia ", "").split()[0]
     path = out / f"gpu_frontier_{p}x-{slug}.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
