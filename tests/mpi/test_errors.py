@@ -96,3 +96,27 @@ def test_tuning_table_naming_an_unknown_algorithm():
         raises_everywhere(lambda: tplab.allreduce(np.ones(4), C), "tuning table in use chose 'bogus'")
     finally:
         tuning.use_table(None)
+
+
+def test_a_rank_that_cannot_allocate_peer_memory_fails_every_rank():
+    """PeerMemory's allocations: a rank out of GPU memory must not raise alone (its peers would wait in the
+    exchange of handles): every rank raises, naming it, and frees what it got. Fake allocators: no GPU here."""
+    from tplab.gpu_collectives.peer_memory import allocate_everywhere
+
+    freed = []
+
+    def malloc(n):
+        if COMM.rank == P - 1 and n == 64:
+            raise RuntimeError("out of memory")
+        return 1000 + n   # (a pointer)
+
+    agree(allocate_everywhere(COMM, [32, 16], malloc, freed.append, "a test area") == [1032, 1016] and not freed,
+          "allocations that all succeed are kept")
+    try:
+        allocate_everywhere(COMM, [32, 64], malloc, freed.append, "a test area")
+        verdict, message = False, "no error raised"
+    except MemoryError as error:
+        message = str(error)
+        verdict = f"rank {P - 1} could not allocate its 96 bytes" in message and "out of memory" in message
+    mine = [1032] if COMM.rank == P - 1 else [1032, 1064]
+    agree(verdict and freed == mine, f"{message}; freed {freed}, not {mine}")

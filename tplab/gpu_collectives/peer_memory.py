@@ -101,7 +101,7 @@ class PeerMemory:
         multiprocessors = rt.getDeviceProperties(self.device)["multiProcessorCount"]
         # fewer: SMs left over. The same on every rank: block b meets only block b of its peers, and reads the
         # packs that their block b wrote (a rank with a larger grid would read slots nobody filled).
-        self.max_blocks = min(mpi_comm.allgather(min(STREAM_SLOT, multiprocessors, blocks or multiprocessors)))
+        self.max_blocks = min(mpi_comm.allgather(min(AGREE_SLOT, multiprocessors, blocks or multiprocessors)))
         line = 2 * PACK * LINE_PACKS * self.size      # (two_shot's two areas: p whole cache lines each, at least)
         self.nbytes = -(-int(max_bytes) // line) * line                 # two_shot, ring: the main area
         self.small = min(self.nbytes, SMALL_BYTES)                      # one_shot: 2 halves after it
@@ -112,8 +112,9 @@ class PeerMemory:
             raise ValueError("PeerMemory: every rank must pass the same max_bytes")
         flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES
         self._shared_bytes = self.nbytes + 2 * self.small + ll_area
-        self._own = [rt.malloc(self._shared_bytes), rt.malloc(flag_bytes)]                      # (IPC exports
-        rt.memset(self._own[1], 0, flag_bytes)                                                     #  whole allocations)
+        self._own = allocate_everywhere(mpi_comm, [self._shared_bytes, flag_bytes], rt.malloc, rt.free,
+                                        "PeerMemory")                           # (IPC exports whole allocations)
+        rt.memset(self._own[1], 0, flag_bytes)
         rt.memset(self._own[0] + self.nbytes + 2 * self.small, 0, ll_area)   # flags 0: no call's yet
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
         self._status_pointer = rt.hostAlloc(STATUS_WORDS * 4, 3)     # pinned, mapped (cudaHostAllocPortable | Mapped)
@@ -451,6 +452,27 @@ class PeerMemory:
             self.status = np.zeros(STATUS_WORDS, dtype=np.uint32)   # (nothing reads the freed memory)
             rt.freeHost(self._status_pointer)
             self._status_pointer = 0
+
+
+def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
+    """``malloc(n)`` for each of ``sizes`` on every rank of ``mpi_comm``, or, where any rank could not (out of
+    memory), nothing kept and the same MemoryError on every rank: a rank that raised alone would leave its
+    peers waiting in the exchange of handles that follows. Collective."""
+    got, problem = [], ""
+    try:
+        for n in sizes:
+            got.append(malloc(n))
+    except Exception as error:  # (CUDA's out of memory, typically: CuPy raises its own error type)
+        problem = f"{type(error).__name__}: {error}"
+    problems = mpi_comm.allgather(problem)
+    failed = [q for q, said in enumerate(problems) if said]
+    if failed:
+        for pointer in got:
+            free(pointer)
+        q = failed[0]
+        raise MemoryError(f"{what} on rank {mpi_comm.Get_rank()}: rank {q} could not allocate its "
+                          f"{sum(sizes)} bytes ({problems[q]})")
+    return got
 
 
 def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
