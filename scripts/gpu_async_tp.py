@@ -307,6 +307,8 @@ def barrier_latency(exchange, iters=50):
 
     from tplab.gpu_collectives.copy_engine_exchange import _cupy_stream
 
+    if exchange.scatter_barriers is None:   # (made with the scatter area, by the exchange's first scatter)
+        raise RuntimeError("barrier_latency: run an async-TP block on this exchange first")
     results = {}
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()

@@ -162,7 +162,9 @@ class CopyEngineExchange:
         self._check(like, "start_scatter")
         if self.scatter_memory is None:  # (collective: every rank has just agreed to this call; a program that
             import cupy                  #  only gathers -- sequence parallelism -- never holds these p slots)
+            import torch
 
+            torch.cuda.empty_cache()     # (torch's cached blocks back to the GPU: the area is a plain cudaMalloc)
             with cupy.cuda.Device(self.device):
                 self.scatter_memory = PeerMemory(self.mpi, 2 * self.size * self.slot)
             self.scatter_barriers = StreamBarriers(self.scatter_memory)

@@ -24,7 +24,7 @@ import contextlib
 import numpy as np
 
 _NO_SCOPE = contextlib.nullcontext()
-_external_streams: dict = {}  # (device, stream pointer) -> cupy.cuda.ExternalStream, made once
+_external_streams: dict = {}  # (device, stream pointer) -> a CuPy stream over it (external_stream), made once
 
 
 def is_gpu_array(x) -> bool:
@@ -134,7 +134,10 @@ def external_stream(ptr: int, device_id: int = -1):
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is None:
         return cupy.cuda.ExternalStream(ptr, device_id)
-    return from_external(_RawStream(ptr))
+    stream = from_external(_RawStream(ptr))
+    if device_id >= 0:   # (from_external cannot know it: then entering the stream on another GPU raises at once)
+        stream.device_id = device_id
+    return stream
 
 
 def torch_stream(device):
