@@ -52,7 +52,9 @@ def main(out: Path) -> None:
     for size, at in graph.groupby("size"):
         mine, other = best(at, TPLAB), best(at, set(at.algorithm) - TPLAB)
         if mine and other and other[1] < mine[1]:
-            behind.append(f"{size >> 10} KiB: {mine[1]:.1f} against {other[0]} {other[1]:.1f} us")
+            where = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            behind.append(f"{where}: {mine[1]:.2f} against {other[0]} {other[1]:.2f} us "
+                          f"(+{100 * (mine[1] / other[1] - 1):.1f}%)")
     print("tplab's best behind another, from CUDA graphs: " + ("; ".join(behind) or "nowhere"))
     slug = card.lower().replace("nvidia ", "").split()[0]
     path = out / f"gpu_frontier_{p}x-{slug}.csv"

@@ -13,6 +13,7 @@ REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(realpath -m "${1:-$REPOSITORY/build/gpu/frontier}")
 cd "$REPOSITORY"
 mkdir -p "$OUT"
+rm -f "$OUT/small.csv" "$OUT/large.csv"   # (tplab bench skips the points its CSV has: a rerun measures anew)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (see gpu_tests.sh)
 export PYTHONPATH=$REPOSITORY${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 P=${P:-4}
