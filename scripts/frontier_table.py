@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tplab.collectives.tuning import human_bytes  # noqa: E402
+
 TPLAB = {"peer_one_shot_ll", "peer_one_shot", "peer_two_shot", "peer_ring", "auto"}
 
 
@@ -38,8 +41,7 @@ def main(out: Path) -> None:
     graph = small[small["mode"] == "graph"]
     for kib in (1, 16, 64, 256, 1024, 4096):
         at = graph[graph["size"] == kib << 10]
-        size = f"{kib >> 10}MiB" if kib >= 1024 else f"{kib}KiB"
-        add(f"p2_graph_us_{size}", "us", best(at, TPLAB), best(at, set(at.algorithm) - TPLAB))
+        add(f"p2_graph_us_{human_bytes(kib << 10).replace(' ', '')}", "us", best(at, TPLAB), best(at, set(at.algorithm) - TPLAB))
     if api is not None:
         at = api[api["size"] == 64 << 10]
         add("p2_eager_us_64KiB", "us", best(at.rename(columns={"path": "algorithm"}), {"tplab.allreduce"}),
@@ -52,8 +54,7 @@ def main(out: Path) -> None:
     for size, at in graph.groupby("size"):
         mine, other = best(at, TPLAB), best(at, set(at.algorithm) - TPLAB)
         if mine and other and other[1] < mine[1]:
-            where = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            behind.append(f"{where}: {mine[1]:.2f} against {other[0]} {other[1]:.2f} us "
+            behind.append(f"{human_bytes(size)}: {mine[1]:.2f} against {other[0]} {other[1]:.2f} us "
                           f"(+{100 * (mine[1] / other[1] - 1):.1f}%)")
     print("tplab's best behind another, from CUDA graphs: " + ("; ".join(behind) or "nowhere"))
     slug = card.lower().replace("nvidia ", "").split()[0]
