@@ -262,6 +262,10 @@ def test_bad_arguments_raise_on_every_rank():
         with pytest.raises(ValueError, match="handles up to|refused its input"):   # a peer that only refuses
             PEERS.allreduce(cupy.zeros(PEERS.ll_bytes // 4 + 4 if COMM.rank == P - 1 else 16384, "float32"),
                             "one_shot_ll")
+        for algorithm in ("two_shot", "ring"):  # registered on rank 0 only: it pulls, the others push
+            y = PEERS.buffer(256, "float32") if COMM.rank == 0 else cupy.zeros(256, dtype="float32")
+            with pytest.raises(ValueError, match="input in the shared buffer on one rank only"):
+                PEERS.allreduce(y, algorithm)
         x, values = inputs("float32", 1000)                     # and the next call is right
         agree(close(PEERS.allreduce(x, "one_shot_ll").astype(cupy.float64), NCCL.builtin_allreduce(values),
                     NCCL.builtin_allreduce(cupy.abs(values)), "float32"), "one_shot_ll after two mismatches")

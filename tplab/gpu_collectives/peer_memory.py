@@ -52,6 +52,7 @@ MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLO
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (kernels/agreement.cuh)
+PULLED = 1 << 40  # flipped in a call's signature when its input is pulled from the shared buffer (same count, dtype)
 SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
@@ -213,9 +214,11 @@ class PeerMemory:
             return self.broken
         if code == PEER_REFUSED:
             return f"rank {peer} refused its input in collective call {call} (its error says why)"
+        same = describe(mine) == describe(theirs)
         return (f"ranks disagree in collective call {call}: rank {self.rank} passed {describe(mine)}, "
-                f"rank {peer} passed {describe(theirs)}" + (" (and a different op, algorithm or shape)"
-                                                           if describe(mine) == describe(theirs) else ""))
+                f"rank {peer} passed {describe(theirs)}" + (" (and a different op, algorithm or shape, or an "
+                                                           "input in the shared buffer on one rank only)"
+                                                           if same else ""))
 
     def refuse(self, problem: str, what: str = "peer all-reduce"):
         """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
@@ -294,6 +297,8 @@ class PeerMemory:
             algorithm = self.choose(x.nbytes)
         if algorithm in ("two_shot", "ring") and self._is_buffer(x):
             algorithm += "_pull"                  # the input lies where the pushed slots would: pull it
+            if sig not in (AGREED_ALREADY, REFUSED):
+                sig ^= PULLED                     # a peer that pushes would wait for pushes that never come
         if self.size == 1:
             return lambda: cupy.copyto(out, x)
         if x.size == 0:                           # nothing to add, but the ranks still meet
