@@ -111,7 +111,8 @@ class PeerMemory:
         ll_area = 2 * self.size * self.ll_slot_lines * PACK
         if len(set(mpi_comm.allgather((self.nbytes, self.small)))) != 1:  # (kernels write into peers' areas)
             raise ValueError("PeerMemory: every rank must pass the same max_bytes")
-        flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES
+        flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES + MAX_BLOCKS * MAX_RANKS * 4  # (+ two_shot's
+                                                                        #  first barriers: EARLY_FLAGS)
         self._shared_bytes = self.nbytes + 2 * self.small + ll_area
         self._own = allocate_everywhere(mpi_comm, [self._shared_bytes, flag_bytes], rt.malloc, rt.free,
                                         "PeerMemory")                           # (IPC exports whole allocations)
@@ -122,8 +123,9 @@ class PeerMemory:
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
         self.status[:] = 0
         self.broken: str | None = None                               # set when a peer never came
-        # struct Control of kernels/agreement.cuh: calls | finished, verdict, timeout_ns, status pointer, failed | written
-        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0], dtype=np.uint64))
+        # struct Control of kernels/agreement.cuh: calls | finished, verdict, timeout_ns, status pointer,
+        # failed | written, two_shot_call | unused
+        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0, 0], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
         self._opened, data, flags = [], [], []
@@ -336,6 +338,8 @@ class PeerMemory:
             args += [np.int64(packs), np.int64((self.nbytes + 2 * self.small) // PACK), np.int64(self.ll_slot_lines)]
         else:
             args += [np.int64(chunk), np.int64(packs)]
+        if algorithm == "two_shot":                                    # its result slots: the second half
+            args += [np.int64(self.nbytes // PACK // 2)]
         args += [self.control, np.uint64(sig)]
         return kernel(f"{algorithm}<{element}>"), blocks, threads, tuple(args)
 

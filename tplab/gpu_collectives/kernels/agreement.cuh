@@ -31,9 +31,12 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned int failed;              // an agreement failed here and the host has not raised it yet: the
                                       //  failed call's mark (failure_mark), 1 after a peer timed out
     unsigned int written;             // blocks of a one_shot that have written their part of the input
+    unsigned int two_shot_call;       // the number of the last call here that was an agreed two_shot (its
+                                      //  next call, if a two_shot, may push before it agrees: two_shot.cu)
+    unsigned int unused;
 };
 
-// What a kernel reads of this rank's counts, once, at its start: four independent loads in flight together
+// What a kernel reads of this rank's counts, once, at its start: five independent loads in flight together
 // (thread 0's), then one __syncthreads, instead of a load wherever a count is needed. Each load is a trip
 // to L2 (a few hundred nanoseconds), and one after another on the path of every call they cost about as
 // much as the agreement's NVLink crossing itself.
@@ -43,6 +46,7 @@ struct Call {
     unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
                                       //  moves the count once it has agreed, one_shot_ll at its end)
     unsigned int barriers;            // barriers this block has passed (epochs[blockIdx.x]; finish writes it back)
+    unsigned int two_shot_call;       // Control::two_shot_call as the call started
 };
 __device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned int* epochs) {
     __shared__ Call shared;
@@ -52,6 +56,7 @@ __device__ __forceinline__ Call begin_call(const Control* ctl, const unsigned in
         c.number = *(const volatile unsigned int*)&ctl->calls + 1;
         c.agreement = *(const volatile unsigned int*)(epochs + AGREE_SLOT) + 1;
         c.barriers = *(const volatile unsigned int*)(epochs + blockIdx.x);
+        c.two_shot_call = *(const volatile unsigned int*)&ctl->two_shot_call;
         shared = c;
     }
     __syncthreads();
@@ -147,6 +152,41 @@ __device__ __forceinline__ int compare_signature(uint4 line, unsigned long long 
     return theirs == REFUSED ? PEER_REFUSED : MISMATCH;
 }
 
+// Block 0, once its signature lines are out: wait for every peer's line of this call's agreement (a peer that
+// never comes: TIMEOUT after ctl->timeout_ns), compare, decide (thread 0) and publish the verdict. Returns it
+// in every thread of the block. ``acquire``: the line also orders the peer's data before it (one_shot).
+__device__ int collect_signatures(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
+                                  unsigned int* epochs, int rank, int p, bool acquire) {
+    __shared__ int outcome[MAX_RANKS];
+    __shared__ unsigned long long seen[MAX_RANKS];
+    __shared__ int verdict;
+    const unsigned int e = c.agreement;
+    const int q = threadIdx.x;
+    if (q < MAX_RANKS) outcome[q] = AGREED;
+    if (q < p && q != rank) {
+        const uint4* mine = signature_line(flags[rank], e, q);
+        unsigned long long start = 0;                       // (the clock is read only when waiting)
+        unsigned int spins = 0;
+        int o = AGREED;
+        uint4 line = load_line(mine);
+        while (!line_has(line, e)) {
+            if (start == 0) start = globaltimer();
+            if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
+            line = load_line(mine);
+        }
+        if (o == AGREED) {
+            if (acquire) load_acquire((const unsigned int*)mine + 3);   // (acquire: the peer's staged input
+                                                                        //  after its line)
+            o = compare_signature(line, sig, &seen[q]);
+        }
+        outcome[q] = o;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) verdict = decide(ctl, c, sig, epochs, p, outcome, seen, acquire);
+    __syncthreads();
+    return verdict;
+}
+
 // The verdict of this call (AGREED or an error code), the same in every thread of every block.
 // ``after_writes`` (one_shot): the agreement is also the kernel's data barrier. Every block has written its
 // part of the input into this rank's buffer; block 0 waits for them all (a counter in local memory), then
@@ -162,11 +202,7 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
     // clears the flag on the stream when it raises).
     if (failed_before(c)) return FAILED_BEFORE;
-    __shared__ int outcome[MAX_RANKS];
-    __shared__ unsigned long long seen[MAX_RANKS];
     __shared__ int verdict;
-    if (threadIdx.x < MAX_RANKS) outcome[threadIdx.x] = AGREED;
-    __syncthreads();
     const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
     if (count_writes && threadIdx.x == 0) {
         __threadfence();
@@ -178,30 +214,12 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
             ctl->written = 0;                            // (the next kernel on this stream starts after this one)
         }
         __syncthreads();
-        const unsigned int e = c.agreement;
         const int q = threadIdx.x;
         if (q < p && q != rank) {
             if (after_writes) fence_acq_rel_sys();          // (release: the staged input before the line)
-            send_signature(flags[q], e, rank, sig);
-            const uint4* mine = signature_line(flags[rank], e, q);
-            unsigned long long start = 0;                       // (the clock is read only when waiting)
-            unsigned int spins = 0;
-            int o = AGREED;
-            uint4 line = load_line(mine);
-            while (!line_has(line, e)) {
-                if (start == 0) start = globaltimer();
-                if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
-                line = load_line(mine);
-            }
-            if (o == AGREED) {
-                if (after_writes) load_acquire((const unsigned int*)mine + 3);   // (acquire: the peer's staged
-                                                                                 //  input after its line)
-                o = compare_signature(line, sig, &seen[q]);
-            }
-            outcome[q] = o;
+            send_signature(flags[q], c.agreement, rank, sig);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) verdict = decide(ctl, c, sig, epochs, p, outcome, seen, after_writes);
+        return collect_signatures(ctl, c, sig, flags, epochs, rank, p, after_writes);
     } else if (threadIdx.x == 0) {
         verdict = await_verdict(ctl, c.number, after_writes);
     }
@@ -218,14 +236,16 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
 // calls as they do: one_shot_ll tags its lines, and picks its area, by the call's number.
 // The call's number is stored, not added to: it was read at the start (begin_call), and a load here would
 // be one more trip to L2 before the kernel can end. This block's barrier count goes back to memory.
-__device__ void finish(Control* ctl, unsigned int* epochs, const Call& c, bool counted = true) {
+// ``two_shot_agreed``: an agreed two_shot ends here, which its next call may count on (Control::two_shot_call;
+// written by the last block, so that every block of the next kernel reads the same).
+__device__ void finish(Control* ctl, unsigned int* epochs, const Call& c, bool counted = true,
+                       bool two_shot_agreed = false) {
     __syncthreads();
     if (threadIdx.x == 0) epochs[blockIdx.x] = c.barriers;
     if (!counted) return;
-    if (threadIdx.x == 0 && gridDim.x == 1) {
-        ctl->calls = c.number;
-    } else if (threadIdx.x == 0 && atomicAdd(&ctl->finished, 1u) == gridDim.x - 1) {
+    if (threadIdx.x == 0 && (gridDim.x == 1 || atomicAdd(&ctl->finished, 1u) == gridDim.x - 1)) {
         ctl->finished = 0;
+        if (two_shot_agreed) ctl->two_shot_call = c.number;
         ctl->calls = c.number;
     }
 }

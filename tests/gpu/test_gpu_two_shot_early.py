@@ -1,0 +1,89 @@
+"""two_shot right after an agreed two_shot pushes before it agrees (kernels/two_shot.cu): its sums stay
+right whatever came before and whatever sizes follow each other with no host wait, and a disagreement
+still raises on every rank -- also where the peers' grids differ or a peer runs a one-block kernel -- and
+leaves the flags fit for the calls after it."""
+
+from gputest import require_gpu
+
+require_gpu()
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from mpitest import COMM, agree  # noqa: E402
+
+from tplab.comm import nccl_world  # noqa: E402
+from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
+
+P = COMM.size
+NCCL = nccl_world()
+PEERS = PeerMemory(COMM, 1 << 20)  # two_shot in rounds above 256 KiB per rank
+
+
+def inputs(count, seed=0):
+    rng = np.random.default_rng([count, seed, COMM.rank])
+    values = cupy.asarray(rng.standard_normal(count))
+    return values.astype(cupy.float32), values.astype(cupy.float32).astype(cupy.float64)
+
+
+def right(got, values) -> bool:
+    want = NCCL.builtin_allreduce(values)
+    scale = NCCL.builtin_allreduce(cupy.abs(values))
+    return bool((cupy.abs(got.astype(cupy.float64) - want) <= 1e-6 * P * scale).all())
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_sizes_back_to_back_with_other_calls_between(graph):
+    """Small, large, in rounds and tiny two_shots back to back, an all-gather and a one_shot_ll between
+    some: each two_shot either pushes before it agrees (after a two_shot) or agrees first (after the
+    others). A peer may still copy the last call's results out while the next one's pushes arrive: they
+    must land elsewhere, whatever the two sizes."""
+    counts = [64, 60000, 300, 200000, 4, 60000, 64]
+    cases = [inputs(n, k) for k, n in enumerate(counts)]
+    outs = [cupy.zeros_like(x) for x, _ in cases]
+    runs = [PEERS.allreduce_init(x, out, "two_shot") for (x, _), out in zip(cases, outs)]
+    between = cupy.arange(1000, dtype=cupy.float32) + COMM.rank
+    gathered = cupy.zeros(P * between.size, dtype=cupy.float32)
+    small, small_out = cases[0][0][:40].copy(), cupy.zeros(40, dtype=cupy.float32)
+    ll = PEERS.allreduce_init(small, small_out, "one_shot_ll")
+    copies = [cupy.zeros_like(out) for _ in range(3) for out in outs]   # (made before: none during a capture)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        if graph:
+            stream.begin_capture()
+        for round_ in range(3):
+            for k, run in enumerate(runs):
+                run()
+                cupy.copyto(copies[round_ * len(runs) + k], outs[k])
+                if k == 2:
+                    PEERS.allgather(between, gathered, check=False)
+                if k == 4:
+                    ll()
+        if graph:
+            stream.end_capture().launch(stream)
+        stream.synchronize()
+    wrong = [counts[i % len(counts)] for i, got in enumerate(copies) if not right(got, cases[i % len(counts)][1])]
+    agree(not wrong, f"two_shot back to back: wrong at sizes {wrong}")
+    want = NCCL.builtin_allgather(between).ravel()
+    agree(bool((gathered == want).all()), "the all-gather between two_shots")
+
+
+@pytest.mark.skipif(P < 2, reason="disagreement needs two ranks")
+def test_a_disagreement_after_an_agreed_two_shot_raises_on_every_rank():
+    x, values = inputs(4096)
+    cases = [
+        ("counts whose grids differ", lambda: cupy.zeros(4096 + 40000 * (COMM.rank == 1), cupy.float32), "two_shot"),
+        ("a one-block kernel on rank 0", lambda: cupy.zeros(64, cupy.float32),
+         "one_shot_ll" if COMM.rank == 0 else "two_shot"),
+        ("rounds on one rank only", lambda: cupy.zeros(4096 if COMM.rank else 200000, cupy.float32), "two_shot"),
+        ("registered on rank 0 only", lambda: PEERS.buffer(4096) if COMM.rank == 0 else cupy.zeros(4096, cupy.float32),
+         "two_shot"),
+    ]
+    for what, make, algorithm in cases:
+        agree(right(PEERS.allreduce(x, "two_shot"), values), f"before {what}")   # the next two_shot pushes first
+        with pytest.raises(ValueError, match="ranks disagree"):
+            PEERS.allreduce(make(), algorithm)
+        agree(right(PEERS.allreduce(x, "two_shot"), values), f"the call after {what}")  # (agrees first)
+        agree(right(PEERS.allreduce(x, "two_shot"), values), f"two calls after {what}")  # (pushes first)
+    gathered = PEERS.allgather(x)
+    agree(bool((gathered == NCCL.builtin_allgather(x).ravel()).all()), "an all-gather after them")
