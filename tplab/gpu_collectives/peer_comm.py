@@ -13,8 +13,8 @@ Plans (``plan``): the first ``tplab.allreduce`` of a kind of tensor (shape, dtyp
 kernel, its grid and its packed arguments once; every later call allocates the output, points the kernel at
 input and output and launches it through cuLaunchKernel -- no conversion, no stream object, no host
 round trip, and it can be captured in a CUDA graph. The ranks' agreement on the arguments is the kernel's
-first step (signature.py): a disagreement stops every rank's kernel before it touches data and raises on
-every rank (at once on a plan's first call, else at the next call on this communicator).
+first step (signature.py): a disagreement stops every rank's kernel before it writes any output and raises
+on every rank (at once on a plan's first call, else at the next call on this communicator).
 
 Every call agrees exactly once on every rank, whatever path it takes (the fused step, or ``agree`` before
 NCCL and hand-written algorithms), so ranks on different paths still meet and see their disagreement.

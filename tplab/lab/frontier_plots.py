@@ -1,8 +1,9 @@
 """Figures of notebook 03's last GPU sections: a small all-reduce waiting for its agreement and its data
-together, and what the links carry at most next to what the large all-reduces get. Same conventions as
+together, two_shot agreeing in its first barrier, and what the links carry at most next to what the large all-reduces get. Same conventions as
 ``reference_plots`` (one question per figure, the algorithms in their ``color_of`` colours).
 
     waiting_together(parts)              one_shot_ll before and after, two A/B runs on 4 GPUs, and its floor
+    first_barrier_agrees(ab, frontier)   two_shot agreeing first against agreeing in its first barrier, and torch's
     link_ceiling(ceiling, allreduces)    GB/s out of each GPU: the wire alone, and three all-reduces' bus bandwidth
 """
 
@@ -51,6 +52,33 @@ def waiting_together(parts):
         ax.legend(fontsize=7.5)
     axes[0].set_ylabel("µs per all-reduce (CUDA graph)")
     fig.suptitle("one_shot_ll on 4x H100, per call", fontsize=10)
+    return fig
+
+
+def first_barrier_agrees(ab, frontier):
+    """two_shot on 4 GPUs from CUDA graphs, per call (``ab``: gpu_two_shot_early_*.csv, the median over its
+    interleaved rounds): the kernel that agrees before it pushes (dashed) against the one that pushes first
+    and takes the agreement in its first barrier (solid), up to 4 MiB, with torch's symmetric-memory
+    two-shot and NCCL's symmetric kernels from a frontier run of the same kernels (``frontier``: tplab bench
+    rows, another machine of the kind)."""
+    fig, ax = plt.subplots(figsize=(min(7.5, MAX_WIDTH), 4.0), constrained_layout=True)
+    ab = ab[ab["size"] <= 4 << 20]
+    for key, label, style in (("agrees first", "tplab two_shot: agree, then push", "--"),
+                              ("pushes first", "tplab two_shot: push, agree in the first barrier", "-")):
+        line = _median_by_size(ab[ab.variant.str.startswith(key)])
+        ax.plot(line.index, line.values, style, marker="o", ms=4, color=color_of("two_shot"), label=label)
+    graph = frontier[(frontier["mode"] == "graph") & frontier["size"].between(ab["size"].min(), ab["size"].max())]
+    for anchor, label in (("symm_mem_two_shot", "torch symm_mem two-shot (frontier run)"),
+                          ("nccl_symmetric", "NCCL symmetric kernels (frontier run)")):
+        rows = graph[graph.algorithm == anchor].groupby("size").time_us.median()
+        ax.plot(rows.index, rows.values, ":", marker=".", color=color_of(anchor), label=label)
+    sizes = sorted(ab["size"].unique())
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title="two_shot on 4x H100: one meeting fewer")
+    ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return fig
 
 

@@ -7,7 +7,8 @@
 // (count, element type, a hash of op and algorithm), or REFUSED ("my input is bad: I only came to say so"),
 // tagged with the agreement's number e, and polls its own lines until every peer's of number e is there.
 // All equal: the kernel goes on. Not all equal: every rank sees it (each compares with all), every rank's
-// kernel returns before it touches any data, and each writes what it saw into host memory (`status`),
+// kernel returns before it writes any output (one_shot_ll, and two_shot after a two_shot, have pushed into the
+// peers' shared buffers by then: two_shot.cu), and each writes what it saw into host memory (`status`),
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
 // up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
