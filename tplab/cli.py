@@ -81,7 +81,7 @@ PEER_KERNELS = ("peer_one_shot_ll", "peer_one_shot", "peer_two_shot", "peer_ring
 def cmd_bench(args) -> int:
     import tplab
     from tplab.comm import communicator
-    from tplab.lab.bench import sweep
+    from tplab.lab.bench import REGISTERED, sweep
 
     from tplab.lab import anchors
 
@@ -93,12 +93,12 @@ def cmd_bench(args) -> int:
         from tplab.gpu_collectives import PeerMemoryComm
 
         comm = PeerMemoryComm(nccl, args.peer_memory)   # "auto": the peer-memory kernels, by size
-        known += list(PEER_KERNELS)
+        known += list(PEER_KERNELS) + [REGISTERED]
     known += list(anchors.ANCHORS) if gpu_allreduce else []
     default = [a for a in known if a != "auto" and a not in anchors.ANCHORS]
     algorithms = args.algorithms.split(",") if args.algorithms else default
     unknown = [a for a in algorithms if a not in known]
-    graph_only = set(PEER_KERNELS) | set(anchors.ANCHORS) | ({"auto"} if args.peer_memory else set())
+    graph_only = set(PEER_KERNELS) | set(anchors.ANCHORS) | ({"auto", REGISTERED} if args.peer_memory else set())
     problem = None
     if unknown:
         hint = " (peer_* need --device gpu --peer-memory SIZE)" if any(a.startswith("peer_") for a in unknown) else ""
@@ -128,6 +128,9 @@ def cmd_bench(args) -> int:
             fits = [s for s in sizes if s <= comm.peers.limit(comm.kernel)]
             rows += sweep(args.collective, ["builtin"], fits, comm=comm, label=name, **options)
             comm.kernel = "auto"
+        elif name == REGISTERED:  # (the shared buffer holds the input: up to its size)
+            fits = [s for s in sizes if s <= comm.peers.nbytes]
+            rows += sweep(args.collective, [name], fits, comm=comm, **options)
         else:  # "builtin" is NCCL's where peer memory is attached: the anchor
             rows += sweep(args.collective, [name], sizes, comm=nccl if name == "builtin" else comm, **options)
     if comm.rank == 0:
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
                    help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")
     p.add_argument("--peer-memory", type=parse_size, default=0,
                    help="GPU all-reduce on a PeerMemoryComm with buffers of this size per rank (enables "
-                        "peer_one_shot_ll, peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size)")
+                        "peer_one_shot_ll, peer_one_shot, peer_two_shot, peer_ring; auto picks among them by size; "
+                        "peer_registered: auto on an input already in the shared buffer, in place)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("nodes", help="several nodes on this machine: network namespaces joined by a shaped link "

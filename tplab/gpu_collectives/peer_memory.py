@@ -16,7 +16,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
     two_shot       2       2(p-1)/p·n written: push the    large messages on a switch (NVSwitch): every
                            chunks to their owners, then    link busy at once
                            the results to everyone
-    two_shot_pull  2       the same, both rounds pulled    inputs already in the shared buffer (registered)
+    two_shot_pull  2       the same, the chunks pulled     inputs already in the shared buffer (registered):
+                           from the peers, the results     two meetings in place, as torch's symmetric-
+                           pushed                          memory two-shot
     ring           2(p-1)  2(p-1)/p·n, written to the      the textbook ring, steps synchronised by flags
                            right neighbour (push)
     ring_pull      2(p-1)  the same, read from the left    inputs already in the shared buffer

@@ -79,8 +79,12 @@ def _builtin(collective, x, comm, op):
 def count_wrong(collective, algorithm, x, comm, op) -> int:
     """Elements (summed over ranks) that differ from the MPI built-in: exactly for integers and
     max/min, beyond the rounding bound of p combinations for float sums and products."""
-    got = _call(collective, x, comm, algorithm, op, check=True)
-    want = _builtin(collective, x, comm, op)
+    return _wrong(collective, _call(collective, x, comm, algorithm, op, check=True), _builtin(collective, x, comm, op),
+                  x, comm, op)
+
+
+def _wrong(collective, got, want, x, comm, op) -> int:
+    """count_wrong's comparison of ``got`` with the built-in's ``want`` (collective: summed over ranks)."""
     xp = array_module(x)  # numpy, or CuPy: GPU results are compared on the GPU (no copies of 256 MiB to the host)
     if got is None or want is None:  # reduce: only the root holds a result
         wrong = 0 if (got is None) == (want is None) else max(x.size, 1)
@@ -91,6 +95,29 @@ def count_wrong(collective, algorithm, x, comm, op) -> int:
         scale = xp.maximum(xp.abs(want.astype(np.float64)), 1.0)
         wrong = int(xp.count_nonzero(xp.abs(got.astype(np.float64) - want) > tolerance * scale))
     return sum(comm.allgather_object(wrong))
+
+
+REGISTERED = "peer_registered"  # tplab's kernels on an input already in the shared buffer, in place
+
+
+def _registered_allreduce(comm, x, validate):
+    """(run, wrong) as anchors.prepare: ``run()`` sums, in place, ``x``'s values copied once into this rank's
+    shared buffer (PeerMemory.buffer), by the kernel "auto" picks for the size (two_shot on such an input
+    pulls the chunks and meets its peers twice): like for like with torch's symmetric-memory anchors, whose
+    input also lies in shared memory. ``comm``: a PeerMemoryComm."""
+    peers = comm.peers
+    buf = peers.buffer(x.size, x.dtype)
+    buf[...] = x
+    launch = peers.allreduce_init(buf, buf, "auto")
+
+    def run():
+        launch()
+        return buf
+    wrong = -1
+    if validate:
+        wrong = _wrong("allreduce", run().copy(), _builtin("allreduce", x, comm, "sum"), x, comm, "sum")
+        buf[...] = x
+    return run, wrong
 
 
 def osu_iterations(size: int) -> tuple[int, int]:
@@ -160,6 +187,8 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
     x = to_device(x, "gpu") if gpu else x
     if algorithm in ANCHORS:
         run, wrong = anchors.prepare(algorithm, x, validate)
+    elif algorithm == REGISTERED:
+        run, wrong = _registered_allreduce(comm, x, validate)
     else:
         wrong = count_wrong(collective, algorithm, x, comm, op) if validate else -1
 

@@ -121,11 +121,17 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     finish(ctl, epochs, this_call, true, true);
 }
 
-// ---- two-shot by pulling only: for inputs that already lie in the shared buffers ("registered") ----------
-//   mine = x (skipped when x is mine);  barrier(all)
-//   chunk r of mine = sum over q of chunk r of bufs[q];  out chunk r = the same;  barrier(all)
-//   for every q != r: out chunk q = chunk q of bufs[q];  barrier(all)
-// Chunk r is summed once, by rank r, so every rank holds bitwise the same result.
+// ---- two-shot for inputs that already lie in the shared buffers ("registered") ----------------------------
+//   agreement (the start barrier: every peer's input is in its buffer, written before its kernel began)
+//   [x is not mine: mine = x;  barrier(all)]
+//   s = sum in rank order over q of bufs[q] chunk r (pulled);  out chunk r = s;  for q != r: bufs[q] chunk r = s
+//   barrier(all)
+//   [out is not mine: out chunk q = mine chunk q, for q != r]                      (my own memory)
+// Two meetings in place, as torch's symmetric-memory two-shot. Writing the sums over the peers' inputs is
+// safe: chunk r of a peer's buffer is read by rank r alone, and rank r's thread reads it before it writes it.
+// No barrier at the end: a peer reads my buffer only before the barrier that I pass, and the next call's
+// pulls wait for its agreement, which comes after whatever my program writes into my buffer next. Chunk r is
+// summed once, by rank r, so every rank holds bitwise the same result.
 template <typename T>
 __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, unsigned int* const* flags,
                               unsigned int* epochs, int rank, int p, long long chunk, long long packs,
@@ -134,23 +140,25 @@ __global__ void two_shot_pull(const uint4* x, uint4* out, uint4* const* bufs, un
     BEGIN_CALL_AND_AGREE();
     const unsigned int all = (1u << p) - 1;
     uint4* mine = bufs[rank];
-    if (x != mine)                                          // skipped when the input already lives there
-        for (int c = 0; c < p; c++)                         // chunk by chunk: block b copies what the peers'
-            copy_packs<T>(mine, x, c * chunk, lmin((c + 1) * chunk, packs));   // block b will read
-    barrier(flags, this_call, rank, all);
+    if (x != mine || sig == 0) {                            // (signature 0: agreed before, maybe long before)
+        if (x != mine)
+            for (int c = 0; c < p; c++)                     // chunk by chunk: block b copies what the peers'
+                copy_packs<T>(mine, x, c * chunk, lmin((c + 1) * chunk, packs));   // block b will read
+        barrier(flags, this_call, rank, all);
+    }
     const long long first = rank * chunk, last = lmin(first + chunk, packs);
     FOR_MY_PACKS(i, first, last) {
-        uint4 s = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
-        mine[i] = s;
-        out[i] = s;
+        const uint4 s = sum_in_rank_order<T>((const uint4* const*)bufs, p, i);
+        out[i] = s;                                         // (in place: my own buffer)
+        for (int step = 1; step < p; step++)                // rank r starts at r+1: peers spread the load
+            bufs[(rank + step) % p][i] = s;
     }
     barrier(flags, this_call, rank, all);
-    for (int step = 1; step < p; step++) {                  // rank r starts at r+1: peers spread the load
-        const int q = (rank + step) % p;
-        const long long f = q * chunk, l = lmin(f + chunk, packs);
-        copy_packs<T>(out, bufs[q], f, l);
-    }
-    barrier(flags, this_call, rank, all);
+    if (out != mine)
+        for (int step = 1; step < p; step++) {
+            const int q = (rank + step) % p;
+            const long long f = q * chunk, l = lmin(f + chunk, packs);
+            copy_packs<T>(out, mine, f, l);
+        }
     finish(ctl, epochs, this_call);
 }
-

@@ -1,7 +1,8 @@
-"""two_shot right after an agreed two_shot pushes before it agrees (kernels/two_shot.cu): its sums stay
-right whatever came before and whatever sizes follow each other with no host wait, and a disagreement
-still raises on every rank -- also where the peers' grids differ or a peer runs a one-block kernel -- and
-leaves the flags fit for the calls after it."""
+"""two_shot meets its peers fewer times (kernels/two_shot.cu). Right after an agreed two_shot it pushes before
+it agrees: its sums stay right whatever came before and whatever sizes follow each other with no host wait,
+and a disagreement still raises on every rank -- also where the peers' grids differ or a peer runs a
+one-block kernel -- and leaves the flags fit for the calls after it. On an input already in the shared
+buffer it meets them twice, and not at its end: the next input may be written at once."""
 
 from gputest import require_gpu
 
@@ -87,3 +88,47 @@ def test_a_disagreement_after_an_agreed_two_shot_raises_on_every_rank():
         agree(right(PEERS.allreduce(x, "two_shot"), values), f"two calls after {what}")  # (pushes first)
     gathered = PEERS.allgather(x)
     agree(bool((gathered == NCCL.builtin_allgather(x).ravel()).all()), "an all-gather after them")
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "out of place"])
+def test_registered_inputs_back_to_back(in_place):
+    """two_shot on an input already in the shared buffer meets its peers twice, and not at its end: the next
+    input, written into the buffer on the same stream with no host wait, must not reach a peer that still
+    reads this one. 20 calls, the input changed before each, every result checked; a plain two_shot and a
+    one_shot_ll between some of them."""
+    n = 60000
+    x, values = inputs(n)
+    buf = PEERS.buffer(n, "float32")
+    out = buf if in_place else cupy.zeros(n, cupy.float32)
+    run = PEERS.allreduce_init(buf, out, "two_shot")
+    plain_out, small_out = cupy.zeros(n, cupy.float32), cupy.zeros(40, cupy.float32)
+    others = [PEERS.allreduce_init(x, plain_out, "two_shot"), PEERS.allreduce_init(x[:40].copy(), small_out, "one_shot_ll")]
+    results = [cupy.zeros(n, cupy.float32) for _ in range(20)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for k, result in enumerate(results):
+            cupy.add(x, np.float32(k), out=buf)
+            run()
+            cupy.copyto(result, out)
+            if k % 5 == 4:
+                others[k % 2]()
+        stream.synchronize()
+    wrong = [k for k, got in enumerate(results) if not right(got, values + k)]
+    agree(not wrong, f"registered two_shot back to back: wrong at calls {wrong}")
+    agree(right(plain_out, values) and right(small_out, values[:40]), "the calls between")
+
+
+def test_the_bench_times_registered_inputs_right():
+    """tplab bench's peer_registered (the like-for-like comparison with torch's symm_mem): its first result
+    is checked against NCCL, and it is right at every size it times."""
+    from tplab.gpu_collectives import PeerMemoryComm
+    from tplab.lab.bench import time_collective
+
+    comm = PeerMemoryComm(NCCL, 1 << 20)
+    try:
+        for size in (4096, 1 << 19, 1 << 20):
+            row = time_collective("allreduce", "peer_registered", size, comm=comm, device="gpu", graph=True,
+                                  iters=5, warmup=1)
+            agree(row["wrong"] == 0, f"peer_registered at {size} bytes: {row['wrong']} wrong")
+    finally:
+        comm.close()
