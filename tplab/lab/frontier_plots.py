@@ -58,9 +58,9 @@ def waiting_together(parts):
 def first_barrier_agrees(ab, frontier):
     """two_shot on 4 GPUs from CUDA graphs, per call (``ab``: gpu_two_shot_early_*.csv, the median over its
     interleaved rounds): the kernel that agrees before it pushes (dashed) against the one that pushes first
-    and takes the agreement in its first barrier (solid), up to 4 MiB, with torch's symmetric-memory
-    two-shot and NCCL's symmetric kernels from a frontier run of the same kernels (``frontier``: tplab bench
-    rows, another machine of the kind)."""
+    and takes the agreement in its first barrier (solid), up to 4 MiB, with tplab on an input already in its
+    shared buffer (peer_registered, where a frontier run has it), torch's symmetric-memory two-shot and NCCL's
+    symmetric kernels from a frontier run (``frontier``: tplab bench rows, another machine of the kind)."""
     fig, ax = plt.subplots(figsize=(min(7.5, MAX_WIDTH), 4.0), constrained_layout=True)
     ab = ab[ab["size"] <= 4 << 20]
     for key, label, style in (("agrees first", "tplab two_shot: agree, then push", "--"),
@@ -68,7 +68,8 @@ def first_barrier_agrees(ab, frontier):
         line = _median_by_size(ab[ab.variant.str.startswith(key)])
         ax.plot(line.index, line.values, style, marker="o", ms=4, color=color_of("two_shot"), label=label)
     graph = frontier[(frontier["mode"] == "graph") & frontier["size"].between(ab["size"].min(), ab["size"].max())]
-    for anchor, label in (("symm_mem_two_shot", "torch symm_mem two-shot (frontier run)"),
+    for anchor, label in (("peer_registered", "tplab, input already in the shared buffer (frontier run)"),
+                          ("symm_mem_two_shot", "torch symm_mem two-shot (frontier run)"),
                           ("nccl_symmetric", "NCCL symmetric kernels (frontier run)")):
         rows = graph[graph.algorithm == anchor].groupby("size").time_us.median()
         ax.plot(rows.index, rows.values, ":", marker=".", color=color_of(anchor), label=label)

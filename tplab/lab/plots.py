@@ -26,7 +26,7 @@ COLORS = {
     "auto": "tab:red", "tplab.allreduce": "tab:red", "persistent kernel": "tab:pink",
     "peer_one_shot": "tab:cyan", "one_shot": "tab:cyan", "peer_two_shot": "tab:olive", "two_shot": "tab:olive",
     "peer_one_shot_ll": "darkcyan", "one_shot_ll": "darkcyan",
-    "peer_ring": "tab:orange", "copy_engine": "tab:brown",
+    "peer_ring": "tab:orange", "copy_engine": "tab:brown", "peer_registered": "darkolivegreen",
     # sequence-parallel schemes (notebook 05; allgather_kv and ulysses keep the colours they always had)
     "streamed_kv": "darkgoldenrod",
     # all-to-all (notebook 09): pairwise exchange walks the ranks like the ring, Bruck halves like doubling
