@@ -113,14 +113,15 @@ def test_two_shot_chunks_fit_its_two_areas(packs, p, lines):
 
 @given(work=st.integers(1, 1 << 22), max_blocks=st.integers(1, 1022))
 def test_two_shot_blocks_shrink_to_fill_the_multiprocessors(work, max_blocks):
-    """two_shot's blocks are halved (not below MIN_THREADS) only while its grid would leave SMs idle; the other
+    """The two-shots' blocks are halved (not below MIN_THREADS) only while their grid would leave SMs idle; the other
     kernels keep theirs (the same on every rank: the sizes are the ranks' agreed arguments)."""
     from tplab.gpu_collectives.peer_memory import LL_THREADS, MIN_THREADS, THREADS, block_threads
 
-    threads = block_threads("two_shot", work, max_blocks)
-    assert MIN_THREADS <= threads <= THREADS and THREADS % threads == 0
-    assert threads == MIN_THREADS or -(-work // threads) >= max_blocks  # as small as it goes, or SMs filled
-    assert threads == THREADS or -(-work // (2 * threads)) < max_blocks  # halved only from an idle-SM grid
+    for algorithm in ("two_shot", "two_shot_pull"):
+        threads = block_threads(algorithm, work, max_blocks)
+        assert MIN_THREADS <= threads <= THREADS and THREADS % threads == 0
+        assert threads == MIN_THREADS or -(-work // threads) >= max_blocks  # as small as it goes, or SMs filled
+        assert threads == THREADS or -(-work // (2 * threads)) < max_blocks  # halved only from an idle-SM grid
     assert block_threads("one_shot", work, max_blocks) == THREADS
     assert block_threads("one_shot_ll", work, max_blocks) == LL_THREADS
 

@@ -59,9 +59,11 @@ SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
-MIN_THREADS = 128           # two_shot's smallest blocks, where its grid would leave SMs idle (block_threads):
+MIN_THREADS = 128           # the two-shots' smallest blocks, where their grid would leave SMs idle (block_threads):
                             #  4x H100, 64 KiB-1 MiB: 12.5-15.0 us against 13.4-15.9 with 512 (~7%; 2 GPUs ~4%;
-                            #  data/gpu_two_shot_variants_4x-h100.csv); blocks of 64 were slower from 2 MiB
+                            #  data/gpu_two_shot_variants_4x-h100.csv); blocks of 64 were slower from 2 MiB;
+                            #  two_shot_pull 10.4 / 12.8 / 27.9 us at 512 KiB / 1 / 4 MiB against 10.7 / 13.1 /
+                            #  30.5 with 512 (data/gpu_two_shot_registered_4x-h100_block-size.csv)
 LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
                             #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
@@ -490,12 +492,13 @@ def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
 
 def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
     """Threads per block of an all-reduce kernel whose blocks share ``work`` packs (each block handles the
-    same packs on every rank): one_shot_ll's LL_THREADS; two_shot's THREADS, halved down to MIN_THREADS while
-    the grid would leave multiprocessors idle (pushes over NVLink are limited by how many SMs store); THREADS."""
+    same packs on every rank): one_shot_ll's LL_THREADS; the two-shots' THREADS, halved down to MIN_THREADS
+    while the grid would leave multiprocessors idle (pushes and pulls over NVLink are limited by how many SMs
+    issue them); THREADS."""
     if algorithm == "one_shot_ll":
         return LL_THREADS
     threads = THREADS
-    if algorithm != "two_shot":   # (one_shot measured slower with smaller blocks on 2 GPUs)
+    if algorithm not in ("two_shot", "two_shot_pull"):   # (one_shot measured slower with smaller blocks on 2 GPUs)
         return threads
     while threads > MIN_THREADS and -(-work // threads) < max_blocks:
         threads //= 2
