@@ -25,7 +25,7 @@ from mpi4py import MPI  # noqa: E402
 
 import tplab  # noqa: E402
 from tplab.comm import nccl_world  # noqa: E402
-from tplab.comm.torch_dist import TorchDistributedComm  # noqa: E402
+from tplab.comm.torch_dist import TorchDistributedComm, stop_process_group  # noqa: E402
 from tplab.gpu_collectives import PeerMemoryComm  # noqa: E402
 from tplab.toolkit.arrays import external_stream  # noqa: E402
 from tplab.toolkit.machine import software  # noqa: E402
@@ -115,7 +115,7 @@ def main():
         pd.DataFrame(rows).to_csv(path, index=False)
         print(f"wrote {path}")
     comm.close()
-    dist.destroy_process_group()
+    stop_process_group(MPI.COMM_WORLD)   # (rank 0, the rendezvous store's host, last)
 
 
 if __name__ == "__main__":

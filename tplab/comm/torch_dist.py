@@ -112,8 +112,7 @@ class TorchDistributedComm(Communicator):
         return self.mpi.allgather(obj)
 
     def close(self):
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        stop_process_group(self.mpi)
 
 
 def as_tensor(x):
@@ -140,6 +139,24 @@ def same_kind(t, like):
     return t.numpy()
 
 
+def stop_process_group(mpi_comm) -> None:
+    """Collective: torch.distributed's default process group destroyed on every rank of ``mpi_comm`` together
+    (NCCL's shutdown is itself collective), and rank 0's rendezvous store (start_process_group) kept until
+    every rank has finished: freed earlier, it goes down while the other ranks' NCCL heartbeat threads still
+    poll it, and each of them prints a page of "TCPStore ... Connection was likely closed" at exit."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    mpi_comm.Barrier()                  # every rank is done with its collectives
+    dist.destroy_process_group()
+    mpi_comm.Barrier()                  # every rank's heartbeat thread has stopped
+    _STORES.clear()
+
+
+_STORES: list = []   # rank 0's rendezvous store, held until stop_process_group
+
+
 def start_process_group(mpi_comm, device) -> None:
     """torch.distributed's default process group over the ranks of ``mpi_comm`` (one node; NCCL for a CUDA
     device, gloo otherwise). Rank 0 opens the rendezvous store on a port the system picks (port 0) and
@@ -151,6 +168,8 @@ def start_process_group(mpi_comm, device) -> None:
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False) if rank == 0 else None
     port = mpi_comm.bcast(store.port if rank == 0 else None, root=0)
+    if rank == 0:
+        _STORES.append(store)
     if rank != 0:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False)
     gpu = device.type == "cuda"

@@ -58,6 +58,16 @@ def start(names, device_index: int) -> None:
     TorchDistributedComm(torch.device("cuda", device_index))
 
 
+def stop() -> None:
+    """Collective, after the last anchor: torch.distributed's process group destroyed, rank 0 last
+    (tplab.comm.torch_dist.stop_process_group)."""
+    from mpi4py import MPI
+
+    from tplab.comm.torch_dist import stop_process_group
+
+    stop_process_group(MPI.COMM_WORLD)
+
+
 def prepare(name: str, x, validate: bool = True):
     """(run, wrong): ``run()`` all-reduces (sums) ``x``'s values (a CuPy array or torch tensor on this rank's
     GPU) by the anchor ``name``; ``wrong`` counts the elements, over all ranks, farther from NCCL's sum than
