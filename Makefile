@@ -5,7 +5,7 @@
 #               build/index.html linking them: a reading copy), stop it
 #   make test   check the import layers (lint-imports), run the whole test suite (unit, MPI at several rank
 #               counts, notebooks; as root with iproute2 also MPI across 2 nodes made of network namespaces)
-#   make browser-test  notebooks 00 and 01 run in a real browser: JupyterLab driven by the system's Chromium
+#   make browser-test  notebooks 00, 01, 03, 05, 06 run in a real browser: JupyterLab driven by the system's Chromium
 #               through Playwright (Run All, no errors, figures and the exercise report shown); screenshots
 #               in build/browser/. Needs chromium (Debian: apt-get install chromium), not `playwright install`
 #

@@ -1,4 +1,4 @@
-"""Run notebooks 00 and 01 in a real browser: JupyterLab on 127.0.0.1, Debian's Chromium driven by Playwright.
+"""Run notebooks 00, 01, 03, 05 and 06 in a real browser: JupyterLab on 127.0.0.1, Debian's Chromium driven by Playwright.
 
     make browser-test                                  # = .venv/bin/python scripts/browser_check.py
     python scripts/browser_check.py [00 01 ...] [--out build/browser] [--chromium PATH] [--timeout 600]
@@ -9,7 +9,8 @@ run and the kernel is idle, save it, and fail on
   the first error),
 - a stderr output with a traceback shown in the page,
 - what the notebook must show missing: notebook 00 its first allreduce, notebook 01 a matplotlib figure
-  (an <img> that loaded) and the exercise checker's reports.
+  (an <img> that loaded) and the exercise checker's reports, notebooks 03, 05 and 06 their figures (the
+  reference sections' from data/ among them) and exercise reports.
 Screenshots go to OUT/<nn>.png (plus OUT/01_report.png, and OUT/<nn>_error.png on an error).
 
 JupyterLab serves copies of the notebooks (OUT/lab/notebooks, with OUT/lab/data linking to data/), so
@@ -47,6 +48,10 @@ EXPECT = {
     "00": {"texts": ["same as MPI: True"], "images": 0, "reports": 0},
     "01": {"texts": [], "images": 1, "reports": 2},  # the first attempt's report, the exercises' (skeletons: a
                                                       # student's Run All; solutions run only with show_solutions)
+    # the notebooks whose reference sections plot the GPU results (28, 19 and 19 figures when written)
+    "03": {"texts": [], "images": 20, "reports": 2},
+    "05": {"texts": [], "images": 15, "reports": 2},
+    "06": {"texts": [], "images": 15, "reports": 2},
 }
 REPORT = re.compile(r"(\d+) of (\d+) cases correct")
 
@@ -84,8 +89,8 @@ def log(message):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="*", default=["00", "01"],
-                        help="notebook numbers (default: 00 01), or paths of .ipynb files")
+    parser.add_argument("notebooks", nargs="*", default=["00", "01", "03", "05", "06"],
+                        help="notebook numbers (default: 00 01 03 05 06), or paths of .ipynb files")
     parser.add_argument("--out", default="build/browser", help="screenshots, logs and the served copies")
     parser.add_argument("--chromium", default=os.environ.get("CHROMIUM"),
                         help="the browser (default: $CHROMIUM, else chromium on PATH)")
