@@ -79,6 +79,8 @@ def test_a_disagreement_after_an_agreed_two_shot_raises_on_every_rank():
         ("rounds on one rank only", lambda: cupy.zeros(4096 if COMM.rank else 200000, cupy.float32), "two_shot"),
         ("registered on rank 0 only", lambda: PEERS.buffer(4096) if COMM.rank == 0 else cupy.zeros(4096, cupy.float32),
          "two_shot"),
+        ("two_shot_pull named, registered on rank 0 only",     # (the pulled kernel meets its peers less often)
+         lambda: PEERS.buffer(4096) if COMM.rank == 0 else cupy.zeros(4096, cupy.float32), "two_shot_pull"),
     ]
     for what, make, algorithm in cases:
         agree(right(PEERS.allreduce(x, "two_shot"), values), f"before {what}")   # the next two_shot pushes first
@@ -130,5 +132,47 @@ def test_the_bench_times_registered_inputs_right():
             row = time_collective("allreduce", "peer_registered", size, comm=comm, device="gpu", graph=True,
                                   iters=5, warmup=1)
             agree(row["wrong"] == 0, f"peer_registered at {size} bytes: {row['wrong']} wrong")
+    finally:
+        comm.close()
+
+
+@pytest.mark.skipif(P < 2, reason="disagreement needs two ranks")
+def test_a_registered_input_written_right_after_a_failed_call():
+    """A two_shot that pushed before it agreed, and failed, may still be pushing into a peer that has raised
+    already: the raise queues a barrier, so that the input the peer then writes into its shared buffer is
+    not overwritten. Large messages (long pushes), then the registered call at once, no host wait."""
+    n = 120000
+    x, values = inputs(n)
+    for _ in range(3):
+        agree(right(PEERS.allreduce(x, "two_shot"), values), "before")    # the next two_shot pushes first
+        with pytest.raises(ValueError, match="ranks disagree"):
+            PEERS.allreduce(PEERS.buffer(n) if COMM.rank == 0 else x, "two_shot")
+        buf = PEERS.buffer(n, "float32")
+        buf[...] = x
+        agree(right(PEERS.allreduce(buf, "two_shot", out=buf), values), "the registered call right after")
+
+
+def test_a_registered_input_on_one_rank_where_the_ranks_agreed_before():
+    """Calls that agreed before (signature 0, as tplab.allreduce's general path) and plans never switch one
+    rank to the pulled kernel: an input in the shared buffer goes through a copy there, and every rank runs
+    the same kernel."""
+    import tplab
+    from tplab.gpu_collectives import PeerMemoryComm
+
+    x, values = inputs(50000)
+    y = PEERS.buffer(x.size, "float32") if COMM.rank == 0 else cupy.empty_like(x)
+    y[...] = x
+    for algorithm in ("two_shot", "ring"):
+        agree(PEERS.agree(PEERS.signature_of(x, algorithm)) is None, "the agreement")
+        got = PEERS.allreduce(y, algorithm, agreed=True)
+        cupy.cuda.get_current_stream().synchronize()
+        agree(right(got, values), f"{algorithm}, agreed before")
+    comm = PeerMemoryComm(NCCL, 1 << 20)
+    try:
+        comm.kernel = "two_shot"
+        z = comm.peers.buffer(x.size, "float32") if COMM.rank == 0 else cupy.empty_like(x)
+        for _ in range(3):
+            z[...] = x
+            agree(right(tplab.allreduce(z, comm), values), "a plan's call on the shared buffer")
     finally:
         comm.close()

@@ -67,6 +67,8 @@ class PeerMemoryComm(Wrapped):
         """On the GPUs (one small kernel, then a wait): no host all-gather."""
         import cupy
 
+        if description.get("collective") == "allreduce":   # (ranks whose kernels differ would not meet alike)
+            description = {**description, "kernel": self.kernel}
         with cupy.cuda.Device(self.device):  # (an input on another GPU: this rank still meets its peers)
             message = self.peers.agree(signature(description))
         problems = description.get("problems")
@@ -115,7 +117,7 @@ class PeerMemoryComm(Wrapped):
         if not ok or not self._kernels_take(nbytes, dtype, op) or nbytes == 0 or self.size == 1:
             return None  # (the general path: it agrees, refuses or falls back as it must)
         description = {"collective": "allreduce", "shape": tuple(x.shape), "dtype": dtype, "op": op,
-                       "algorithm": algorithm, "root": None, "problems": []}
+                       "algorithm": algorithm, "root": None, "problems": [], "kernel": self.kernel}
         plan = AllreducePlan(self, x, nbytes, KERNEL_TYPES[dtype], signature(description))
         return plan.contiguous_tensor if plan.torch and plan.contiguous and not plan.staged else plan
 
@@ -170,7 +172,8 @@ class AllreducePlan:
             x = x if self.contiguous else self.ascontiguousarray(x)
             out = self.empty_like(x)
             source, target = x.data.ptr, out.data.ptr
-        if self.staged or source % PACK or target % PACK:
+        if self.staged or source % PACK or target % PACK or self.peers.overlaps(source, self.nbytes) \
+                or self.peers.overlaps(target, self.nbytes):   # (the shared buffer is the kernels' scratch)
             self._through_copies(source, target)
         else:
             self.launch(source, target, self.stream)
@@ -185,7 +188,7 @@ class AllreducePlan:
             return self(x)
         out = self.empty_like(x)
         source, target = x.data_ptr(), out.data_ptr()
-        if (source | target) % PACK:
+        if (source | target) % PACK or self.peers.overlaps(source, self.nbytes):
             self._through_copies(source, target)
         else:
             self.launch(source, target, self.stream)

@@ -155,7 +155,9 @@ class PeerMemory:
 
     # ---- the shared buffer ------------------------------------------------------------------------------
     def buffer(self, count: int, dtype="float32"):
-        """This rank's shared buffer as ``count`` elements: an input written here is not copied in."""
+        """This rank's shared buffer as ``count`` elements: an input written here is not copied in. The buffer
+        is also every other call's scratch space (the peers push into it): write the input just before the
+        call that takes it, on the stream the calls run on."""
         dtype = np.dtype(dtype)
         if count * dtype.itemsize > self.nbytes:
             raise ValueError(f"{count} x {dtype} do not fit the {self.nbytes}-byte peer buffers")
@@ -220,6 +222,7 @@ class PeerMemory:
             self.broken = (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
                            "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
             return self.broken
+        self._barrier_on(stream)   # (every rank raises a disagreement once: the barriers pair up)
         if code == PEER_REFUSED:
             return f"rank {peer} refused its input in collective call {call} (its error says why)"
         same = describe(mine) == describe(theirs)
@@ -231,14 +234,29 @@ class PeerMemory:
     def refuse(self, problem: str, what: str = "peer all-reduce"):
         """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
         self.agree(REFUSED)
+        import cupy
+
+        self._barrier_on(cupy.cuda.get_current_stream().ptr)   # (the peers' raise queues theirs)
         raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}")
+
+    def _barrier_on(self, stream: int) -> None:
+        """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a
+        two_shot, push into the peers' buffers before they know whether the ranks agree, and such a push may
+        still be on its way when this rank has raised and goes on -- to write an input into buffer(), say.
+        The barrier waits on the GPU until every peer's failed kernel has ended."""
+        with external_stream(stream, self.device):
+            self.queue_barrier()
 
     def _is_buffer(self, a) -> bool:
         return a.data.ptr == self._own[0]
 
     def _in_buffer(self, a) -> bool:
         """Whether ``a`` overlaps this rank's shared memory, where the peers write."""
-        return a.data.ptr < self._own[0] + self._shared_bytes and self._own[0] < a.data.ptr + max(a.nbytes, 1)
+        return self.overlaps(a.data.ptr, a.nbytes)
+
+    def overlaps(self, pointer: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` from device address ``pointer`` overlap this rank's shared memory."""
+        return pointer < self._own[0] + self._shared_bytes and self._own[0] < pointer + max(nbytes, 1)
 
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def limit(self, algorithm: str) -> int:
@@ -303,15 +321,22 @@ class PeerMemory:
 
         if algorithm == "auto":
             algorithm = self.choose(x.nbytes)
-        if algorithm in ("two_shot", "ring") and self._is_buffer(x):
-            algorithm += "_pull"                  # the input lies where the pushed slots would: pull it
-            if sig not in (AGREED_ALREADY, REFUSED):
-                sig ^= PULLED                     # a peer that pushes would wait for pushes that never come
+        registered, staged = self._is_buffer(x), False
+        if algorithm in ("two_shot", "ring") and registered:
+            if sig == AGREED_ALREADY:             # (the peers chose their kernels without seeing this input:
+                staged = True                     #  the same kernel as theirs, on a copy of it)
+            else:
+                algorithm += "_pull"              # the input lies where the pushed slots would: pull it
+        if algorithm.endswith("_pull") and registered and sig not in (AGREED_ALREADY, REFUSED):
+            sig ^= PULLED                         # (a peer's kernel on a plain input meets its peers more often)
         if self.size == 1:
             return lambda: cupy.copyto(out, x)
         if x.size == 0:                           # nothing to add, but the ranks still meet
             return (lambda: self.launch_agreement(sig)) if sig != AGREED_ALREADY else (lambda: None)
         source, target = whole_packs(x), whole_packs(out)
+        if staged:
+            source = cupy.empty(-(-x.nbytes // PACK) * PACK, cupy.uint8)
+            target = cupy.empty_like(source) if self._in_buffer(out) else target
         element = "bf16_bits" if bf16 else type_name(x.dtype)
         launch, blocks, threads, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
@@ -456,6 +481,8 @@ class PeerMemory:
         import cupy
 
         rt = cupy.cuda.runtime
+        if self._own and self.status[0] and not self.broken:  # a failure this rank has not raised: its peers
+            self._take_status()                                #  queued a barrier when they raised theirs
         cupy.cuda.Device().synchronize()
         self.mpi.Barrier()                                    # nobody reads our memory any more
         for pointer in self._opened:

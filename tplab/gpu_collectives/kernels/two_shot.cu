@@ -21,12 +21,13 @@
 // have copied them out. So after an agreed two_shot, the next two_shot need not meet its peers before it
 // pushes: every peer has summed its partial slots (we met at the end of the sums), and the result slots,
 // which a peer may still be copying out, lie apart. That call sends its signature, pushes, and takes the
-// agreement's answer in its first barrier (agree_at_first_barrier): one meeting fewer, about a microsecond
-// and a half on 4x H100. It pushes before it knows that its peers agree: if they do not, the pushes land in
-// their partial slots, which only two_shot reads, and every rank raises as always. After any other call the
-// kernel agrees first: that call's kernel may still read a peer's buffer (allgather has no barrier at its
-// end). Signature 0 ("agreed already", by agree_only just before) does not say when the peers arrived, so
-// the kernel then meets its peers first. Chunk r is summed once, by rank r.
+// agreement's answer in its first barrier (agree_at_first_barrier): one meeting fewer, about 1.2 us on
+// 4x H100. It pushes before it knows that its peers agree: if they do not, the pushes land at the start of
+// their buffers (scratch, or an input a peer registered there), every rank raises as always, and the raise
+// queues a barrier (PeerMemory._barrier_on) so that no such push lands after the peer has gone on. After any
+// other call the kernel agrees first: the ring's barriers meet only its neighbours, so a peer further away
+// may still be reading its slots. Signature 0 ("agreed already", by agree_only just before) does not say
+// when the peers arrived, so the kernel then meets its peers first. Chunk r is summed once, by rank r.
 // ---- the agreement in the first barrier (two_shot after an agreed two_shot) ------------------------------
 // Block 0 has sent its signature lines at the kernel's start; here, once its pushes are out, it takes the
 // peers' lines (collect_signatures), and then every block meets its peers' block b at a flag of its own
