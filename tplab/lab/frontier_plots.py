@@ -63,12 +63,12 @@ def first_barrier_agrees(ab, frontier):
     symmetric kernels from a frontier run (``frontier``: tplab bench rows, another machine of the kind)."""
     fig, ax = plt.subplots(figsize=(min(7.5, MAX_WIDTH), 4.0), constrained_layout=True)
     ab = ab[ab["size"] <= 4 << 20]
-    for key, label, style in (("agrees first", "tplab two_shot: agree, then push", "--"),
-                              ("pushes first", "tplab two_shot: push, agree in the first barrier", "-")):
+    for key, label, style in (("before", "tplab two_shot: agree, then push", "--"),
+                              ("after", "tplab two_shot: push, agree in the first barrier", "-")):
         line = _median_by_size(ab[ab.variant.str.startswith(key)])
         ax.plot(line.index, line.values, style, marker="o", ms=4, color=color_of("two_shot"), label=label)
     graph = frontier[(frontier["mode"] == "graph") & frontier["size"].between(ab["size"].min(), ab["size"].max())]
-    for anchor, label in (("peer_registered", "tplab, input already in the shared buffer (frontier run)"),
+    for anchor, label in (("peer_registered", "tplab auto, input already in the shared buffer (frontier run)"),
                           ("symm_mem_two_shot", "torch symm_mem two-shot (frontier run)"),
                           ("nccl_symmetric", "NCCL symmetric kernels (frontier run)")):
         rows = graph[graph.algorithm == anchor].groupby("size").time_us.median()
