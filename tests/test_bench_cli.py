@@ -70,6 +70,12 @@ def test_unknown_algorithm_is_a_clear_error():
     assert proc.returncode == 2 and "unknown allreduce algorithms ['bogus']" in proc.stderr
 
 
+def test_peer_memory_rows_need_gpus_and_peer_memory():
+    for name in ("peer_two_shot", "peer_registered"):  # (peer_registered: tplab on an input in the shared buffer)
+        proc = bench("allreduce", "-a", name, "-e", "8")
+        assert proc.returncode == 2 and "peer_* need --device gpu --peer-memory SIZE" in proc.stderr
+
+
 def test_graph_mode_and_anchors_are_gpu_only_with_a_clear_error():
     proc = bench("allreduce", "-a", "ring", "-e", "8", "--graph")
     assert proc.returncode == 2 and "--graph times what a CUDA graph can hold, on GPUs" in proc.stderr

@@ -11,9 +11,10 @@
                                      the same on a GPU node: one rank per GPU, NCCL as the built-in, and
                                      the peer-memory kernels (tplab.gpu_collectives.peer_memory) next to it
     mpiexec -n 4 tplab bench allreduce --device gpu --peer-memory 64M -b 1K -e 4M -f 4 --graph \
-        -a peer_one_shot,nccl,symm_mem_one_shot,symm_mem_two_shot
+        -a peer_one_shot,peer_registered,nccl,symm_mem_one_shot,symm_mem_two_shot
                                      from CUDA graphs, next to the anchors (tplab.lab.anchors: NCCL,
-                                     NCCL's symmetric kernels, torch's symmetric-memory all-reduces)
+                                     NCCL's symmetric kernels, torch's symmetric-memory all-reduces);
+                                     peer_registered: tplab on an input already in its shared buffer
     tplab nodes up --nodes 2 --ranks-per-node 2 --rate 10gbit --latency 20us
     tplab nodes run -- python -m pytest tests/mpi/test_hierarchical.py
     tplab nodes ipcluster -n 4 | login -- CMD | status | down
