@@ -88,7 +88,8 @@ class PeerMemory:
     disagree, or one that refuses its input, make every rank's kernel stop before it writes any output and
     report to host memory, from where the next call (or ``raise_pending``) raises on every rank. (one_shot_ll,
     and a two_shot right after a two_shot, push into the peers' shared buffers before they know: after a
-    call that failed, what a shared buffer holds -- a ``buffer()`` input too -- is undefined.) A rank that
+    call that failed, what a shared buffer holds -- a ``buffer()`` input too -- is undefined; the raise queues
+    a barrier, so an input written after it, on the same stream, stays as written.) A rank that
     never comes is given up on after ``timeout`` seconds; this PeerMemory is then unusable."""
 
     def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, blocks: int | None = None, timeout: float = 30.0):
@@ -233,9 +234,9 @@ class PeerMemory:
 
     def refuse(self, problem: str, what: str = "peer all-reduce"):
         """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
-        self.agree(REFUSED)
         import cupy
 
+        self.agree(REFUSED)
         self._barrier_on(cupy.cuda.get_current_stream().ptr)   # (the peers' raise queues theirs)
         raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}")
 

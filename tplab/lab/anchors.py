@@ -59,8 +59,8 @@ def start(names, device_index: int) -> None:
 
 
 def stop() -> None:
-    """Collective, after the last anchor: torch.distributed's process group destroyed, rank 0 last
-    (tplab.comm.torch_dist.stop_process_group)."""
+    """Collective, after the last anchor: torch.distributed's process group destroyed on every rank, rank 0's
+    rendezvous store kept until all have (tplab.comm.torch_dist.stop_process_group)."""
     from mpi4py import MPI
 
     from tplab.comm.torch_dist import stop_process_group
