@@ -36,6 +36,7 @@
 // behind its peers'. A block other than 0 also watches block 0's verdict while it waits: a peer in
 // another kernel never comes, and the verdict then says so. Returns the verdict in every thread.
 #define EARLY_FLAGS (SIGNATURES + 2 * MAX_RANKS * 4)        // words: MAX_SLOTS x MAX_RANKS after the lines
+#define EARLY_BIT (1ULL << 41)                              // (PULLED, peer_memory.py, is 1 << 40)
 __device__ int agree_at_first_barrier(Control* ctl, const Call& c, unsigned long long sig,
                                       unsigned int* const* flags, unsigned int* epochs, int rank, int p) {
     __shared__ int verdict;
@@ -72,7 +73,9 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     Call this_call = begin_call(ctl, epochs);
     const bool early = sig != 0 && this_call.two_shot_call != 0u && this_call.two_shot_call == this_call.number - 1u
                        && !failed_before(this_call);      // (0: no two_shot yet)
-    if (early) {
+    const bool agreed_before = sig == 0;
+    if (early) {                                            // (the early bit: a peer that is not early, with
+        sig ^= EARLY_BIT;                                   //  the same arguments, disagrees instead of waiting)
         if (blockIdx.x == 0 && threadIdx.x < p && threadIdx.x != rank)
             send_signature(flags[threadIdx.x], this_call.agreement, rank, sig);
     } else {
@@ -80,7 +83,7 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
         if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     }
     const unsigned int all = (1u << p) - 1;
-    if (sig == 0) barrier(flags, this_call, rank, all);        // (agreed before, maybe long before: see above)
+    if (agreed_before) barrier(flags, this_call, rank, all);   // (maybe long before: see above)
     const long long round_packs = (long long)p * chunk;
     uint4* partial = bufs[rank];
     uint4* result = bufs[rank] + results;
@@ -119,7 +122,10 @@ __global__ void two_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
             copy_packs<T>(out, result + (long long)q * chunk - g, g, h);
         }
     }
-    finish(ctl, epochs, this_call, true, true);
+    // (after a call that agreed before -- signature 0, maybe long before -- the next does not push first:
+    //  such a call may have run on a copy of an input that lies in the shared buffer, whose result is
+    //  copied back into it after this kernel, where the next call's early pushes would land)
+    finish(ctl, epochs, this_call, true, !agreed_before);
 }
 
 // ---- two-shot for inputs that already lie in the shared buffers ("registered") ----------------------------
