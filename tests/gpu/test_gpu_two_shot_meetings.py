@@ -153,26 +153,63 @@ def test_a_registered_input_written_right_after_a_failed_call():
 
 
 def test_a_registered_input_on_one_rank_where_the_ranks_agreed_before():
-    """Calls that agreed before (signature 0, as tplab.allreduce's general path) and plans never switch one
-    rank to the pulled kernel: an input in the shared buffer goes through a copy there, and every rank runs
-    the same kernel."""
-    import tplab
-    from tplab.gpu_collectives import PeerMemoryComm
-
+    """Calls that agreed before (signature 0, as tplab.allreduce's general path) never switch one rank to the
+    pulled kernel: an input in the shared buffer goes through a copy there, every rank runs the same kernel,
+    and the call after it does not push first (the copy back may still be landing)."""
     x, values = inputs(50000)
     y = PEERS.buffer(x.size, "float32") if COMM.rank == 0 else cupy.empty_like(x)
-    y[...] = x
-    for algorithm in ("two_shot", "ring"):
+    for algorithm in ("two_shot", "ring", "two_shot"):
+        y[...] = x   # (the shared buffer is every call's scratch: the call before wrote over it)
         agree(PEERS.agree(PEERS.signature_of(x, algorithm)) is None, "the agreement")
         got = PEERS.allreduce(y, algorithm, agreed=True)
         cupy.cuda.get_current_stream().synchronize()
         agree(right(got, values), f"{algorithm}, agreed before")
+    z = PEERS.buffer(x.size, "float32") if COMM.rank == 0 else cupy.empty_like(x)
+    z[...] = x
+    agree(PEERS.agree(PEERS.signature_of(x, "two_shot")) is None, "the agreement")
+    got = PEERS.allreduce(z, "two_shot", out=z if COMM.rank == 0 else None, agreed=True).copy()
+    after = PEERS.allreduce(x, "two_shot")   # (rank 0's result is copied into its buffer after its kernel:
+    cupy.cuda.get_current_stream().synchronize()   # this call must agree first, not push at once)
+    agree(right(after, values), "the call after an in-place call that agreed before")
+    agree(right(got, values), "in place, agreed before")
+
+
+@pytest.mark.parametrize("algorithm", ["two_shot", "ring"])
+def test_a_plan_on_inputs_in_the_shared_buffer(algorithm):
+    """tplab.allreduce's plans take an input in the shared buffer as PeerMemory.allreduce does: pulled where
+    it lies, signed as such. Right after a two_shot on plain inputs (whose peers would push the next
+    two_shot's sums at once, into the input being written), inputs written into every rank's buffer sum
+    right; written on one rank only, the ranks disagree, which raises on every rank, and the next calls
+    sum right."""
+    import tplab
+    from tplab.gpu_collectives import PeerMemoryComm
+
+    x, values = inputs(50000)
     comm = PeerMemoryComm(NCCL, 1 << 20)
     try:
-        comm.kernel = "two_shot"
-        z = comm.peers.buffer(x.size, "float32") if COMM.rank == 0 else cupy.empty_like(x)
+        comm.kernel = algorithm
+        z = comm.peers.buffer(x.size, "float32")
         for _ in range(3):
+            agree(right(tplab.allreduce(x, comm), values), "plain inputs")
             z[...] = x
-            agree(right(tplab.allreduce(z, comm), values), "a plan's call on the shared buffer")
+            agree(right(tplab.allreduce(z, comm), values), "every rank's input in its buffer")
+        agree(right(tplab.allreduce(x, comm), values), "plain inputs")
+        one = z if COMM.rank == 0 else x
+        if COMM.rank == 0:
+            z[...] = x
+        with pytest.raises(ValueError, match="disagree"):
+            tplab.allreduce(one, comm)
+            cupy.cuda.get_current_stream().synchronize()
+            comm.peers.raise_pending()
+        for _ in range(2):
+            agree(right(tplab.allreduce(x, comm), values), "plain inputs after the disagreement")
+        with pytest.raises(ValueError, match="from its start" if COMM.rank == 0 else "rank 0 refused"):
+            if COMM.rank == 0:
+                tplab.allreduce(comm.peers.buffer(x.size + 4, "float32")[4:], comm)
+            else:
+                tplab.allreduce(x, comm)
+                cupy.cuda.get_current_stream().synchronize()
+                comm.peers.raise_pending()
+        agree(right(tplab.allreduce(x, comm), values), "plain inputs after the refusal")
     finally:
         comm.close()

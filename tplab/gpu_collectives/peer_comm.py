@@ -27,7 +27,7 @@ import numpy as np
 from tplab.comm.nccl import nccl_world
 from tplab.comm.wrapped import Wrapped
 from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
-from tplab.gpu_collectives.peer_memory import PeerMemory
+from tplab.gpu_collectives.peer_memory import PULLED, PeerMemory
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import external_stream, is_gpu_array, is_torch, torch_stream_pointer
 
@@ -151,10 +151,10 @@ class AllreducePlan:
             placeholders = (self.source, self.target)
         else:  # the kernel's pointers are replaced on every call: any arrays of the right size hold the place
             placeholders = (peers.peer_buffer(peers.rank, padded), peers.peer_buffer(peers.rank, padded))
-        kernel, blocks, threads, args = peers.allreduce_kernel(*placeholders, algorithm, element, sig)
-        self.launch = (fast_launcher(kernel, blocks, threads, args, programmatic=peers.programmatic)
-                       or _cupy_launcher(kernel, blocks, threads, args))
-        self.checked, self.status = False, peers.status
+        self.placeholders, self.algorithm, self.element, self.sig = placeholders, algorithm, element, sig
+        self.launch = self._make_launcher(algorithm, sig)
+        self.pulled = None           # (made for the first input that lies in the shared buffer)
+        self.checked, self.pulled_checked, self.status = False, False, peers.status
         if self.torch:  # (bound once: an import statement per call is measurable at these latencies)
             import torch
 
@@ -172,8 +172,9 @@ class AllreducePlan:
             x = x if self.contiguous else self.ascontiguousarray(x)
             out = self.empty_like(x)
             source, target = x.data.ptr, out.data.ptr
-        if self.staged or source % PACK or target % PACK or self.peers.overlaps(source, self.nbytes) \
-                or self.peers.overlaps(target, self.nbytes):   # (the shared buffer is the kernels' scratch)
+        if self.peers.overlaps(source, self.nbytes):   # (out is new: never in the shared buffer)
+            self._from_shared_buffer(source, target)
+        elif self.staged or source % PACK or target % PACK:
             self._through_copies(source, target)
         else:
             self.launch(source, target, self.stream)
@@ -188,13 +189,42 @@ class AllreducePlan:
             return self(x)
         out = self.empty_like(x)
         source, target = x.data_ptr(), out.data_ptr()
-        if (source | target) % PACK or self.peers.overlaps(source, self.nbytes):
+        if self.peers.overlaps(source, self.nbytes):
+            return self(x)
+        if (source | target) % PACK:
             self._through_copies(source, target)
         else:
             self.launch(source, target, self.stream)
         return out
 
-    def _through_copies(self, source, target):
+    def _make_launcher(self, algorithm: str, sig: int):
+        kernel, blocks, threads, args = self.peers.allreduce_kernel(*self.placeholders, algorithm, self.element, sig)
+        return (fast_launcher(kernel, blocks, threads, args, programmatic=self.peers.programmatic)
+                or _cupy_launcher(kernel, blocks, threads, args))
+
+    def _from_shared_buffer(self, source, target):
+        """An input in this rank's shared buffer, as PeerMemory.allreduce takes one. Only from the buffer's
+        start: the peers write into the rest. one_shot's peers only read this buffer, so a copy of the input
+        will do. two_shot and the ring push into it, a two_shot after a two_shot even before its ranks have
+        met -- possibly while this rank's program was still writing the input -- so they pull it where it
+        lies instead, signed as a pulled call: ranks whose inputs all lie in their buffers agree, and a
+        rank whose input does not disagrees with them, which raises on every rank."""
+        if source != self.peers.buffer_address:
+            self.peers.refuse("x may lie in the shared buffer only from its start (PeerMemory.buffer)")
+        if self.algorithm not in ("two_shot", "ring"):
+            self._through_copies(source, target)
+            return
+        if self.pulled is None:
+            self.pulled = self._make_launcher(self.algorithm + "_pull", self.sig ^ PULLED)
+        if self.staged or target % PACK:   # odd sizes: the pulled kernel copies its staged input in first
+            self._through_copies(source, target, self.pulled)
+        else:
+            self.pulled(source, target, self.stream)
+        if not self.pulled_checked and not self._capturing():   # (its first call raises at once, as a plan's)
+            self._wait_and_raise()
+            self.pulled_checked = True
+
+    def _through_copies(self, source, target, launch=None):
         import cupy
 
         if not self.staged:  # (a misaligned view: make the staging buffers once)
@@ -202,18 +232,26 @@ class AllreducePlan:
             self.source, self.target, self.staged = cupy.zeros(padded, cupy.uint8), cupy.zeros(padded, cupy.uint8), True
         copy = cupy.cuda.runtime.memcpyAsync
         copy(self.source.data.ptr, source, self.nbytes, 3, self.stream)   # 3: device to device
-        self.launch(self.source.data.ptr, self.target.data.ptr, self.stream)
+        (launch or self.launch)(self.source.data.ptr, self.target.data.ptr, self.stream)
         copy(target, self.target.data.ptr, self.nbytes, 3, self.stream)
 
     def _first_call_waits(self):
         """A plan's first call waits for its kernel, so that ranks that disagree raise at once (not while a
         CUDA graph is being captured: then the next call outside it waits)."""
+        if self._capturing():
+            return
+        self.checked = True
+        self._wait_and_raise()
+
+    def _capturing(self) -> bool:
         import cupy
 
-        if cupy.cuda.runtime.streamIsCapturing(self.stream):
-            return
+        return bool(cupy.cuda.runtime.streamIsCapturing(self.stream))
+
+    def _wait_and_raise(self):
+        import cupy
+
         cupy.cuda.runtime.streamSynchronize(self.stream)
-        self.checked = True
         self.peers.raise_pending(self.stream)
 
 

@@ -55,6 +55,7 @@ BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (kernels/agreement.cuh)
 PULLED = 1 << 40  # flipped in a call's signature when its input is pulled from the shared buffer (same count, dtype)
+# (1 << 41 is the kernels' early bit: two_shot.cu flips it in the signature of a call that pushes before it agrees)
 SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
@@ -248,6 +249,11 @@ class PeerMemory:
         with external_stream(stream, self.device):
             self.queue_barrier()
 
+    @property
+    def buffer_address(self) -> int:
+        """The device address of this rank's shared buffer (where ``buffer()`` starts)."""
+        return self._own[0]
+
     def _is_buffer(self, a) -> bool:
         return a.data.ptr == self._own[0]
 
@@ -325,7 +331,8 @@ class PeerMemory:
         registered, staged = self._is_buffer(x), False
         if algorithm in ("two_shot", "ring") and registered:
             if sig == AGREED_ALREADY:             # (the peers chose their kernels without seeing this input:
-                staged = True                     #  the same kernel as theirs, on a copy of it)
+                staged = True                     #  the same kernel as theirs, on a copy of it. Safe: a call
+                                                  #  that agreed before never pushes first, nor lets the next)
             else:
                 algorithm += "_pull"              # the input lies where the pushed slots would: pull it
         if algorithm.endswith("_pull") and registered and sig not in (AGREED_ALREADY, REFUSED):
