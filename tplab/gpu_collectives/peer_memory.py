@@ -196,6 +196,8 @@ class PeerMemory:
             return None
         self.launch_agreement(sig)
         cupy.cuda.get_current_stream().synchronize()
+        if sig == REFUSED:   # (this rank's call fails too, but its own refusal leaves no status to take)
+            self._barrier_on(cupy.cuda.get_current_stream().ptr)
         return self._take_status()
 
     def raise_pending(self, stream: int | None = None) -> None:
@@ -224,7 +226,7 @@ class PeerMemory:
             self.broken = (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
                            "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
             return self.broken
-        self._barrier_on(stream)   # (every rank raises a disagreement once: the barriers pair up)
+        self._barrier_on(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
         if code == PEER_REFUSED:
             return f"rank {peer} refused its input in collective call {call} (its error says why)"
         same = describe(mine) == describe(theirs)
@@ -235,10 +237,7 @@ class PeerMemory:
 
     def refuse(self, problem: str, what: str = "peer all-reduce"):
         """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
-        import cupy
-
-        self.agree(REFUSED)
-        self._barrier_on(cupy.cuda.get_current_stream().ptr)   # (the peers' raise queues theirs)
+        self.agree(REFUSED)   # (which queues this rank's barrier; the peers' raise queues theirs)
         raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}")
 
     def _barrier_on(self, stream: int) -> None:
