@@ -159,7 +159,11 @@ class PeerMemory:
     def buffer(self, count: int, dtype="float32"):
         """This rank's shared buffer as ``count`` elements: an input written here is not copied in. The buffer
         is also every other call's scratch space (the peers push into it): write the input just before the
-        call that takes it, on the stream the calls run on."""
+        call that takes it, on the stream the calls run on, and read a result left here before the next call.
+        two_shot and the ring then pull the inputs where they lie, so every rank's input of that call must
+        lie in its buffer, or the ranks disagree (an error on every rank): a two_shot right after a two_shot
+        pushes into the peers' buffers before the ranks meet, so a peer on a plain input may already be
+        writing where this rank writes its input. (A call agreed beforehand, ``agreed=True``, copies it.)"""
         dtype = np.dtype(dtype)
         if count * dtype.itemsize > self.nbytes:
             raise ValueError(f"{count} x {dtype} do not fit the {self.nbytes}-byte peer buffers")
