@@ -492,9 +492,10 @@ class PeerMemory:
         import cupy
 
         rt = cupy.cuda.runtime
+        cupy.cuda.Device().synchronize()                      # (a failed call's status is written by its kernel)
         if self._own and self.status[0] and not self.broken:  # a failure this rank has not raised: its peers
             self._take_status()                                #  queued a barrier when they raised theirs
-        cupy.cuda.Device().synchronize()
+            cupy.cuda.Device().synchronize()
         self.mpi.Barrier()                                    # nobody reads our memory any more
         for pointer in self._opened:
             rt.ipcCloseMemHandle(pointer)
