@@ -27,7 +27,7 @@ import numpy as np
 from tplab.comm.nccl import nccl_world
 from tplab.comm.wrapped import Wrapped
 from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
-from tplab.gpu_collectives.peer_memory import PULLED, PeerMemory
+from tplab.gpu_collectives.peer_memory import PULLED, PeerMemory, capturing
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import external_stream, is_gpu_array, is_torch, torch_stream_pointer
 
@@ -210,7 +210,8 @@ class AllreducePlan:
         lies instead, signed as a pulled call: ranks whose inputs all lie in their buffers agree, and a
         rank whose input does not disagrees with them, which raises on every rank."""
         if source != self.peers.buffer_address:
-            self.peers.refuse("x may lie in the shared buffer only from its start (PeerMemory.buffer)")
+            with external_stream(self.stream, self.peers.device):   # (refusal and barrier: on the calls' stream)
+                self.peers.refuse("x may lie in the shared buffer only from its start (PeerMemory.buffer)")
         if self.algorithm not in ("two_shot", "ring"):
             self._through_copies(source, target)
             return
@@ -244,9 +245,7 @@ class AllreducePlan:
         self._wait_and_raise()
 
     def _capturing(self) -> bool:
-        import cupy
-
-        return bool(cupy.cuda.runtime.streamIsCapturing(self.stream))
+        return capturing(self.stream)
 
     def _wait_and_raise(self):
         import cupy

@@ -200,9 +200,10 @@ class PeerMemory:
             return None
         self.launch_agreement(sig)
         cupy.cuda.get_current_stream().synchronize()
-        if sig == REFUSED:   # (this rank's call fails too, but its own refusal leaves no status to take)
-            self._barrier_on(cupy.cuda.get_current_stream().ptr)
-        return self._take_status()
+        message = self._take_status()
+        if sig == REFUSED and message is None:   # this rank's call fails too, but its own refusal leaves no
+            self._barrier_on(cupy.cuda.get_current_stream().ptr)   # status to take. (A status taken here is an
+        return message                           # earlier call's, whose failure stopped this agreement unmet.)
 
     def raise_pending(self, stream: int | None = None) -> None:
         """Raise what an earlier call's agreement found, once its kernel has finished (a call that did not
@@ -221,16 +222,24 @@ class PeerMemory:
         if not code:
             return None
         stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
+        message = self._status_message(code)
+        if capturing(stream):   # (clearing it and the barrier would be recorded into the graph, not run)
+            return message + " (found while a CUDA graph was being captured: raised again outside it)"
         cupy.cuda.runtime.memsetAsync(self.control.data.ptr + 32, 0, 4, stream)  # Control.failed: kernels agree again
+        self.status[0] = 0
+        if code == TIMEOUT:
+            self.broken = message
+            return message
+        self._barrier_on(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
+        return message
+
+    def _status_message(self, code: int) -> str:
         peer, call = int(self.status[1]), int(self.status[4])
         theirs = int(self.status[2]) | int(self.status[3]) << 32
         mine = int(self.status[5]) | int(self.status[6]) << 32
-        self.status[0] = 0
         if code == TIMEOUT:
-            self.broken = (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
-                           "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
-            return self.broken
-        self._barrier_on(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
+            return (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
+                    "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
         if code == PEER_REFUSED:
             return f"rank {peer} refused its input in collective call {call} (its error says why)"
         same = describe(mine) == describe(theirs)
@@ -241,8 +250,9 @@ class PeerMemory:
 
     def refuse(self, problem: str, what: str = "peer all-reduce"):
         """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
-        self.agree(REFUSED)   # (which queues this rank's barrier; the peers' raise queues theirs)
-        raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}")
+        earlier = self.agree(REFUSED)   # (which queues this rank's barrier; the peers' raise queues theirs)
+        raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}"
+                                      + (f" (and an earlier call failed: {earlier})" if earlier else ""))
 
     def _barrier_on(self, stream: int) -> None:
         """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a
@@ -506,6 +516,17 @@ class PeerMemory:
             self.status = np.zeros(STATUS_WORDS, dtype=np.uint32)   # (nothing reads the freed memory)
             rt.freeHost(self._status_pointer)
             self._status_pointer = 0
+
+
+def capturing(stream: int) -> bool:
+    """Is ``stream`` being captured into a CUDA graph? (Asking about the legacy stream while another stream
+    of this thread captures is itself an error: that counts as capturing too.)"""
+    import cupy
+
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(stream))
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return True
 
 
 def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
