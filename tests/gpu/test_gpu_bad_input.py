@@ -88,6 +88,22 @@ def test_a_rank_that_queued_more_calls_after_a_failure_still_meets_its_peers_lat
     fails_everywhere(call, "disagree")
 
 
+def test_a_failure_found_while_a_graph_is_captured_is_raised_again_outside_it():
+    """A failure found while a CUDA graph is being captured cannot be cleared there (the clearing and the
+    barrier after it would be recorded, not run): it raises, and raises again at the next call outside."""
+    for n in (900, 901):
+        for _ in range(2):
+            tplab.allreduce(gpu(n), PEERS)         # both plans made on every rank: their calls do not wait
+    tplab.allreduce(gpu(900 if COMM.rank == 0 else 901), PEERS)   # fails on the GPUs, found later
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    x = gpu(64)
+    with pytest.raises(CollectiveArgumentError, match="captured"):
+        with torch.cuda.graph(graph):
+            tplab.allreduce(x, PEERS)
+    fails_everywhere(lambda: tplab.allreduce(gpu(64), PEERS), "disagree")
+
+
 def test_mismatched_shape_same_count():
     shape = (4, 8) if COMM.rank == 0 else (8, 4)
     fails_everywhere(lambda: tplab.allreduce(gpu(32).reshape(shape), PEERS), "disagree")
