@@ -174,6 +174,7 @@ def test_a_registered_input_on_one_rank_where_the_ranks_agreed_before():
     agree(right(got, values), "in place, agreed before")
 
 
+@pytest.mark.skipif(P < 2, reason="disagreement needs two ranks")
 @pytest.mark.parametrize("algorithm", ["two_shot", "ring"])
 def test_a_plan_on_inputs_in_the_shared_buffer(algorithm):
     """tplab.allreduce's plans take an input in the shared buffer as PeerMemory.allreduce does: pulled where
@@ -211,5 +212,12 @@ def test_a_plan_on_inputs_in_the_shared_buffer(algorithm):
                 cupy.cuda.get_current_stream().synchronize()
                 comm.peers.raise_pending()
         agree(right(tplab.allreduce(x, comm), values), "plain inputs after the refusal")
+        strided = (comm.peers.buffer(2 * x.size, "float32") if COMM.rank == 0 else cupy.zeros(2 * x.size, "float32"))
+        strided[::2] = x    # (a strided view: its copy would read the buffer while a peer may push into it)
+        with pytest.raises(ValueError, match="strided view" if COMM.rank == 0 else "rank 0 refused"):
+            tplab.allreduce(strided[::2], comm)
+            cupy.cuda.get_current_stream().synchronize()
+            comm.peers.raise_pending()
+        agree(right(tplab.allreduce(x, comm), values), "plain inputs after the strided view's refusal")
     finally:
         comm.close()

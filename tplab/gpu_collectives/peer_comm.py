@@ -164,6 +164,9 @@ class AllreducePlan:
 
     def __call__(self, x, comm=None):
         self.peers.raise_pending(self.stream)
+        if not self.contiguous and self.peers.overlaps(x.data_ptr() if self.torch else x.data.ptr, self.nbytes):
+            self._refuse("x may lie in the shared buffer only whole, from its start (PeerMemory.buffer), not "
+                         "as a strided view")   # (its copy would read it while a peer may push into it)
         if self.torch:
             x = x if self.contiguous else x.contiguous()
             out = self.empty_like(x)
@@ -174,7 +177,8 @@ class AllreducePlan:
             source, target = x.data.ptr, out.data.ptr
         if self.peers.overlaps(source, self.nbytes):   # (out is new: never in the shared buffer)
             self._from_shared_buffer(source, target)
-        elif self.staged or source % PACK or target % PACK:
+            return out
+        if self.staged or source % PACK or target % PACK:
             self._through_copies(source, target)
         else:
             self.launch(source, target, self.stream)
@@ -210,10 +214,11 @@ class AllreducePlan:
         lies instead, signed as a pulled call: ranks whose inputs all lie in their buffers agree, and a
         rank whose input does not disagrees with them, which raises on every rank."""
         if source != self.peers.buffer_address:
-            with external_stream(self.stream, self.peers.device):   # (refusal and barrier: on the calls' stream)
-                self.peers.refuse("x may lie in the shared buffer only from its start (PeerMemory.buffer)")
+            self._refuse("x may lie in the shared buffer only from its start (PeerMemory.buffer)")
         if self.algorithm not in ("two_shot", "ring"):
             self._through_copies(source, target)
+            if not self.checked:
+                self._first_call_waits()
             return
         if self.pulled is None:
             self.pulled = self._make_launcher(self.algorithm + "_pull", self.sig ^ PULLED)
@@ -224,6 +229,10 @@ class AllreducePlan:
         if not self.pulled_checked and not self._capturing():   # (its first call raises at once, as a plan's)
             self._wait_and_raise()
             self.pulled_checked = True
+
+    def _refuse(self, problem: str):
+        with external_stream(self.stream, self.peers.device):   # (the refusal and its barrier: on the calls' stream)
+            self.peers.refuse(problem)
 
     def _through_copies(self, source, target, launch=None):
         import cupy
