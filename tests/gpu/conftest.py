@@ -9,11 +9,13 @@ if gpu_count():
 
     import pytest
     from mpi4py import MPI
+    from mpitest import arm_watchdog, watchdog_to_terminal   # (gputest put tests/mpi on the path)
 
     WATCHDOG_SECONDS = 120  # NCCL setup and CuPy kernel compilation take seconds the first time
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(config):
+        watchdog_to_terminal(config)
         if MPI.COMM_WORLD.rank != 0:
             reporter = config.pluginmanager.getplugin("terminalreporter")
             if reporter is not None:
@@ -21,7 +23,7 @@ if gpu_count():
 
     @pytest.fixture(autouse=True)
     def deadlock_watchdog():
-        faulthandler.dump_traceback_later(WATCHDOG_SECONDS, exit=True)
+        arm_watchdog(WATCHDOG_SECONDS)
         yield
         faulthandler.cancel_dump_traceback_later()
 

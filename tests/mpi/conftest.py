@@ -15,11 +15,12 @@ import os
 import sys
 
 import pytest
-from mpitest import COMM, WATCHDOG_SECONDS
+from mpitest import COMM, arm_watchdog, watchdog_to_terminal
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
+    watchdog_to_terminal(config)
     if COMM.rank != 0:
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
@@ -48,7 +49,7 @@ def record_shm_files():
 @pytest.fixture(autouse=True)
 def deadlock_watchdog():
     record_shm_files()
-    faulthandler.dump_traceback_later(WATCHDOG_SECONDS, exit=True)
+    arm_watchdog()
     yield
     faulthandler.cancel_dump_traceback_later()
 

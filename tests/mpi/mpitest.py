@@ -37,10 +37,30 @@ settings.register_profile(
 settings.load_profile("mpi")
 
 
+_watchdog_fd = None   # the terminal's stderr, saved by pytest before it captured fd 2 (watchdog_to_terminal)
+
+
+def watchdog_to_terminal(config) -> None:
+    """Send the watchdog's dump to the terminal's stderr, not into pytest's capture of it: a rank that the
+    watchdog ends (os._exit) never prints what was captured, and the hang would leave no trace but an exit
+    code. (pytest keeps the original descriptor in its fd capture; where it has none, sys.__stderr__.)"""
+    global _watchdog_fd
+    capture = config.pluginmanager.getplugin("capturemanager")
+    err = getattr(getattr(capture, "_global_capturing", None), "err", None)
+    saved = getattr(err, "targetfd_save", None)
+    _watchdog_fd = saved if isinstance(saved, int) else None
+
+
+def arm_watchdog(seconds: float = WATCHDOG_SECONDS) -> None:
+    """Dump every thread's stack and exit if the test is still running in ``seconds``."""
+    faulthandler.dump_traceback_later(seconds, exit=True,
+                                      file=_watchdog_fd if _watchdog_fd is not None else sys.__stderr__)
+
+
 def rearm_watchdog(seconds: float = WATCHDOG_SECONDS) -> None:
     """Restart the per-test deadlock timer (call it per hypothesis example in long tests)."""
     faulthandler.cancel_dump_traceback_later()
-    faulthandler.dump_traceback_later(seconds, exit=True)
+    arm_watchdog(seconds)
 
 
 def agree(ok: bool, detail: str = "") -> None:
