@@ -104,6 +104,31 @@ def test_a_failure_found_while_a_graph_is_captured_is_raised_again_outside_it():
     fails_everywhere(lambda: tplab.allreduce(gpu(64), PEERS), "disagree")
 
 
+def test_the_barrier_after_a_failure_times_out_when_a_peer_never_comes():
+    """After a failed call every rank queues one barrier; a peer whose program never comes back to this peer
+    memory must not leave the stream waiting forever: the barrier gives up after the timeout, and the next
+    call raises that the peer did not join (the peer memory is unusable from then on)."""
+    from tplab.gpu_collectives.peer_memory import PeerMemory
+
+    peers = PeerMemory(COMM, 1 << 16, timeout=1.0)
+    try:
+        if COMM.rank == 0:
+            with pytest.raises(ValueError, match="unknown algorithm"):
+                peers.allreduce(cupy.zeros(4, dtype="float32"), "three_shot")   # refuses, queues its barrier
+            start = time.monotonic()
+            cupy.cuda.get_current_stream().synchronize()                 # the barrier ends, with TIMEOUT
+            waited = time.monotonic() - start
+            with pytest.raises(Exception, match="did not join"):
+                peers.allreduce(cupy.zeros(4, dtype="float32"))
+            ok = waited < SECONDS
+        else:
+            time.sleep(3.0)                                              # (never calls this peer memory again)
+            ok = True
+        agree(ok, f"rank {COMM.rank}: the barrier waited for a peer that never came")
+    finally:
+        peers.close()
+
+
 def test_mismatched_shape_same_count():
     shape = (4, 8) if COMM.rank == 0 else (8, 4)
     fails_everywhere(lambda: tplab.allreduce(gpu(32).reshape(shape), PEERS), "disagree")

@@ -36,7 +36,7 @@ def _module():
     import cupy
 
     templates = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
-    names = ["flag_barrier", "allgather", "alltoall", "agree_only", "pdl_probe"]
+    names = ["flag_barrier", "failure_barrier", "allgather", "alltoall", "agree_only", "pdl_probe"]
     names += [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
     return cupy.RawModule(code=kernel_source(), options=("-std=c++17",), name_expressions=names)
 

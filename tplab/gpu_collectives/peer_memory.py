@@ -258,9 +258,11 @@ class PeerMemory:
         """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a
         two_shot, push into the peers' buffers before they know whether the ranks agree, and such a push may
         still be on its way when this rank has raised and goes on -- to write an input into buffer(), say.
-        The barrier waits on the GPU until every peer's failed kernel has ended."""
+        The barrier waits on the GPU until every peer's failed kernel has ended; a peer that never comes
+        (its program went elsewhere) ends it after the timeout, which the next call raises (CommTimeoutError)."""
         with external_stream(stream, self.device):
-            self.queue_barrier()
+            kernel("failure_barrier")((1,), (32,), (self.control, self.flag_pointers, self.epochs, np.int32(self.rank),
+                                                    self.everyone, np.int32(BARRIER_SLOT)))
 
     @property
     def buffer_address(self) -> int:

@@ -273,6 +273,40 @@ extern "C" __global__ void flag_barrier(unsigned int* const* flags, unsigned int
     barrier_at(slot, flags, epochs, rank, who);
 }
 
+// The barrier every rank queues once after a call that failed (PeerMemory._barrier_on): flag_barrier's, but a
+// peer that never comes -- its program went elsewhere -- ends the wait after the agreement's timeout, as an
+// agreement would: status TIMEOUT (the host raises CommTimeoutError) and every later kernel stops at once
+// (Control::failed 1), instead of this rank's stream waiting forever.
+extern "C" __global__ void failure_barrier(Control* ctl, unsigned int* const* flags, unsigned int* epochs,
+                                           int rank, unsigned int who, int slot) {
+    __shared__ int late;
+    if (threadIdx.x == 0) late = -1;
+    __syncthreads();
+    const unsigned int e = epochs[slot] + 1;
+    const int q = threadIdx.x;
+    if (q < MAX_RANKS && q != rank && ((who >> q) & 1u)) {
+        store_release(flags[q] + slot * MAX_RANKS + rank, e);
+        const unsigned int* mine = flags[rank] + slot * MAX_RANKS + q;
+        unsigned long long start = 0;
+        unsigned int spins = 0;
+        while ((int)(load_acquire(mine) - e) < 0) {           // wrap-safe "mine < e"
+            if (start == 0) start = globaltimer();
+            if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { late = q; break; }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    epochs[slot] = e;
+    if (late < 0) return;
+    ctl->failed = 1u;
+    volatile unsigned int* s = ctl->status;
+    s[1] = (unsigned int)late;
+    s[2] = s[3] = s[5] = s[6] = 0u;
+    s[4] = ctl->calls;
+    __threadfence_system();
+    s[0] = (unsigned int)TIMEOUT;
+}
+
 // The packs [first, last) of an array, split over the grid: block b takes the same packs on every rank.
 #define FOR_MY_PACKS(i, first, last) \
     for (long long i = (first) + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (last); \
