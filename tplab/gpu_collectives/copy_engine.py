@@ -44,6 +44,7 @@ import numpy as np
 from tplab.comm.base import Communicator, Unsupported
 from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy, type_name
 from tplab.gpu_collectives.peer_memory import PeerMemory
+from tplab.gpu_collectives.peer_memory import capturing as is_capturing  # (a local name: `capturing` below)
 from tplab.toolkit.arrays import external_stream, is_torch
 
 MEMCPY_DEVICE_TO_DEVICE = 3
@@ -94,7 +95,7 @@ class CopyEngineComm(Communicator):
         def span(q):                                         # block q's bytes: [start, end) within x
             return min(q * block, nbytes), min((q + 1) * block, nbytes)
 
-        capturing = _is_capturing(stream)                                     # (see the module docstring)
+        capturing = is_capturing(stream.ptr)                                   # (see the module docstring)
 
         def slot(q, of):                                     # rank `of`'s slot q in this call's half
             return self._pointer(of, offset) + q * block
@@ -217,16 +218,6 @@ class StreamBarriers:
             if q != self.peers.rank:
                 _check(cu.cuStreamWaitValue32(handle, cu.CUdeviceptr(self.local[q]), self.count,
                                               cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
-
-
-def _is_capturing(stream) -> bool:
-    """Is ``stream`` (a CuPy stream) being captured into a CUDA graph?"""
-    if hasattr(stream, "is_capturing"):
-        return bool(stream.is_capturing())
-    from cuda.bindings import runtime
-
-    error, status = runtime.cudaStreamIsCapturing(stream.ptr)
-    return int(status) != 0
 
 
 def _check(result) -> None:

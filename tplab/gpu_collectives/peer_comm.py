@@ -226,7 +226,7 @@ class AllreducePlan:
             self._through_copies(source, target, self.pulled)
         else:
             self.pulled(source, target, self.stream)
-        if not self.pulled_checked and not self._capturing():   # (its first call raises at once, as a plan's)
+        if not self.pulled_checked and not capturing(self.stream):   # (its first call raises at once, as a plan's)
             self._wait_and_raise()
             self.pulled_checked = True
 
@@ -248,13 +248,10 @@ class AllreducePlan:
     def _first_call_waits(self):
         """A plan's first call waits for its kernel, so that ranks that disagree raise at once (not while a
         CUDA graph is being captured: then the next call outside it waits)."""
-        if self._capturing():
+        if capturing(self.stream):
             return
         self.checked = True
         self._wait_and_raise()
-
-    def _capturing(self) -> bool:
-        return capturing(self.stream)
 
     def _wait_and_raise(self):
         import cupy

@@ -270,7 +270,7 @@ class PeerMemory:
         return self._own[0]
 
     def _is_buffer(self, a) -> bool:
-        return a.data.ptr == self._own[0]
+        return a.data.ptr == self.buffer_address
 
     def _in_buffer(self, a) -> bool:
         """Whether ``a`` overlaps this rank's shared memory, where the peers write."""
