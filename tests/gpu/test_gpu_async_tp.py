@@ -26,6 +26,7 @@ DEVICE = torch.device("cuda", torch.cuda.current_device())
 SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
 SHARD_BYTES = SEQ // P * BATCH * HIDDEN * 8   # one float64 shard
 EXCHANGES = {"copy engines push": CopyEngineExchange(COMM, SHARD_BYTES),
+             "every peer at once": CopyEngineExchange(COMM, SHARD_BYTES, peers_at_once=max(P - 1, 1)),
              "GEMMs write into the peers": CopyEngineExchange(COMM, SHARD_BYTES, pushes="gemm")}
 EXCHANGE = EXCHANGES["copy engines push"]
 

@@ -14,16 +14,23 @@ between calls (a call writes a half only when the call before last is over every
                            made by the first start_scatter (an exchange that only gathers never needs it)
 
     start_gather(x):   side stream: copy x into my half, barrier with every peer ("all published"),
-                       then p-1 side streams pull every peer's shard into a local tensor, one event each.
+                       then a side stream pulls the peers' shards into local tensors one after another,
+                       r+1 first (the one the caller needs first), one event each.
                        The caller's stream goes on at once with my own shard and waits, shard by shard,
                        only for the event of the shard it needs next. ``start_gather(x, out=all)``: the
                        peers' shards land in all[q] (one contiguous (p, ...) tensor; mine copied to all[r]):
                        an all-gather that no SM moves (tplab.sequence.gather.exchange_allgather_first_dim).
     out_for(q), send(q):  the GEMM writes rank q's partial into a local tensor, then a side stream pushes
-                       it into slot r of rank q's half with a copy engine. With ``pushes="gemm"`` the GEMM
+                       it into slot r of rank q's half with a copy engine (in the order sent, one at a time). With ``pushes="gemm"`` the GEMM
                        writes it straight into that slot, over NVLink, tile by tile (SMs store it; no copy).
     finish():          the caller's stream waits for my pushes, barrier ("every push has landed
                        everywhere"), then one reduction over my p slots -> my rows of the sum.
+
+Why one peer at a time (``peers_at_once=1``): the copy engines of an H100 carry about 340 GB/s to one peer
+but only 220-230 GB/s in all when they talk to three at once, so one at a time lands the first shard three
+times sooner and the last one sooner too. Every rank starts with its own r+1, so at each step every GPU sends
+to one peer and receives from another. ``peers_at_once=k`` runs k such lanes side by side (p-1: every peer at
+once, each copy on its own stream).
 
 The barriers are stream memory operations (copy_engine.StreamBarriers): no kernel, no SM, no host wait.
 Why halves make one barrier per call enough: a rank overwrites half h of call j only after its barrier of
@@ -54,7 +61,7 @@ class CopyEngineExchange:
     """Shards of up to ``max_shard_bytes`` each, through the copy engines (torch CUDA tensors)."""
 
     def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, pushes: str = "copy_engines",
-                 barrier_kernels: bool = False, piece_bytes: int = 0):
+                 barrier_kernels: bool = False, piece_bytes: int = 0, peers_at_once: int = 1):
         import cupy
         import torch
 
@@ -67,10 +74,14 @@ class CopyEngineExchange:
         # numbers of two streams would overtake each other)
         self.gather_barriers = StreamBarriers(self.gather_memory)
         self.scatter_barriers = None
+        if int(peers_at_once) < 1:
+            raise ValueError(f"peers_at_once must be >= 1, not {peers_at_once}")
+        # one side stream per lane: a lane's copies run one after another, the lanes side by side
+        lanes = max(1, min(int(peers_at_once), self.size - 1))
         with torch.cuda.device(self.device):
             self.publisher = torch.cuda.Stream()
-            self.pullers = [torch.cuda.Stream() for _ in range(self.size - 1)]
-            self.pushers = [torch.cuda.Stream() for _ in range(self.size - 1)]
+            self.pullers = [torch.cuda.Stream() for _ in range(lanes)]
+            self.pushers = [torch.cuda.Stream() for _ in range(lanes)]
         self.gathers = self.scatters = 0
         self.barrier_kernels = barrier_kernels   # the one-block flag_barrier kernel instead of stream operations
         if pushes not in ("copy_engines", "gemm"):
@@ -82,6 +93,7 @@ class CopyEngineExchange:
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
         self.calls, self._stream = 0, None       # every call on one stream: the first one's (see _check)
         self.broken = ""                         # set by abandon() when a call was left open
+        self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
 
     def _peers(self) -> list[int]:
         return [(self.rank + i) % self.size for i in range(1, self.size)]  # r+1 first: peers spread the load
@@ -148,7 +160,8 @@ class CopyEngineExchange:
         self.gather_barriers.queue(_cupy_stream(self.publisher), self.barrier_kernels)  # all shards published
         published = self.publisher.record_event()
         landed, events = {}, {}
-        for q, stream in zip(self._peers(), self.pullers):
+        for i, q in enumerate(self._peers()):                          # r+1 first: the shard needed first
+            stream = self.pullers[i % len(self.pullers)]
             stream.wait_event(published)
             landed[q] = torch.empty_like(shard) if out is None else out[q]
             _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream,
@@ -174,7 +187,15 @@ class CopyEngineExchange:
         return self._open["scatter"]
 
     def _slots(self, q: int, half: int, shape, dtype):
-        """Rank q's half of p slots (mapped here) as one tensor (p, *shape) over the shared memory (no copy)."""
+        """Rank q's half of p slots (mapped here) as one tensor (p, *shape) over the shared memory (no copy).
+        Made once per (q, half, shape, dtype): making a tensor over foreign memory costs the host tens of
+        microseconds, and the host must stay ahead of the GPU."""
+        key = (q, half, tuple(shape), dtype)
+        if key not in self._views:
+            self._views[key] = self._make_slots(q, half, shape, dtype)
+        return self._views[key]
+
+    def _make_slots(self, q: int, half: int, shape, dtype):
         import cupy
         import torch
 
@@ -191,6 +212,7 @@ class CopyEngineExchange:
 
     def close(self) -> None:
         """Collective: free the shared memory."""
+        self._views.clear()
         self.gather_memory.close()
         if self.scatter_memory is not None:
             self.scatter_memory.close()
@@ -241,7 +263,7 @@ class CopyEngineScatter:
         if ex.pushes == "gemm":
             return                                                     # (written in place, over NVLink)
         partial = self._outgoing[q]
-        stream = ex.pushers[(q - ex.rank - 1) % ex.size]
+        stream = ex.pushers[len(self._pushed) % len(ex.pushers)]       # in the order the GEMMs wrote them
         stream.wait_stream(ex._stream)                                 # the GEMM that wrote it
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
         _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream, ex.piece)
