@@ -15,9 +15,11 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     sequence_parallel    the same weights under sequence parallelism over NCCL (all-gather and reduce-scatter
                          instead of each all-reduce, LayerNorm on s/p tokens), not overlapped
     exchange_alone       the copy engines' two gathers and two scatters of the layer, without the GEMMs
+                         (one peer at a time; ``_all_peers_at_once``: every peer's copy on its own stream)
     async_no_transfers   AsyncTPBlock on a NullExchange: its smaller GEMMs, attention by query blocks and
                          reductions, with nothing moving (what the decomposition itself costs)
     async_tp             AsyncTPBlock: the layer on sequence shards, every shard moving under a GEMM
+    async_tp_all_peers_at_once  the same, every peer's copy at once (CopyEngineExchange(peers_at_once=p-1))
     async_tp_gemm_pushes the same, the partial sums written by the GEMMs straight into the peers' slots over
                          NVLink (CopyEngineExchange(pushes="gemm")); the gathers still by copy engines
     async_tp_kernel_barriers  the same as async_tp with one-block barrier kernels instead of stream operations
@@ -78,6 +80,9 @@ def main():
     parser.add_argument("--pieces", type=lambda v: [int(m) for m in v.split(",") if m], default=[],
                         help="also the stack with every copy in pieces of these many MiB (e.g. 4,16)")
     parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch.backends.cuda.preferred_blas_library")
+    parser.add_argument("--variants", default="", help="only these variants (comma-separated; default: all)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also profile the host's queueing of one async pass (cProfile, rank 0 prints the top)")
     parser.add_argument("--clocks", action="store_true",
                         help="also run each stack variant for 2 s while nvidia-smi samples SM clock and power")
     parser.add_argument("--profile", action="store_true",
@@ -105,6 +110,8 @@ def main():
     stack, fast = nn.Sequential(*blocks), nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
     kernel_barriers = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=True)
     by_kernels = nn.Sequential(*[AsyncTPBlock(b, kernel_barriers) for b in blocks])
+    all_at_once = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), peers_at_once=p - 1)
+    by_all_at_once = nn.Sequential(*[AsyncTPBlock(b, all_at_once) for b in blocks])
     gemm_pushes = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), pushes="gemm")
     pieces = {mib: CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), piece_bytes=mib << 20)
               for mib in args.pieces}
@@ -120,7 +127,7 @@ def main():
                 dist.all_reduce(ar)
         return run
 
-    def exchange_alone(layers):
+    def exchange_alone(layers, exchange=exchange):
         def run():
             for _ in range(2 * layers):
                 gathered = exchange.start_gather(x_rows)
@@ -152,7 +159,7 @@ def main():
     with torch.no_grad(), mappings.argument_checks_off():
         want = my_rows(blocks[0](x), r, p)                         # the check: one block, plain, over NCCL
         diffs = []
-        for model in (fast[0], by_gemms[0], by_kernels[0]):
+        for model in (fast[0], by_all_at_once[0], by_gemms[0], by_kernels[0]):
             got = model(x_rows)
             torch.cuda.synchronize()
             diffs.append(((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
@@ -168,13 +175,19 @@ def main():
                         "sequence_parallel": sp(model), "exchange_alone": exchange_alone(layers),
                         "async_no_transfers": lambda m=no_transfers: m(x_rows),
                         "async_tp": lambda m=async_model: m(x_rows)}
+            forwards["exchange_alone_all_peers_at_once"] = exchange_alone(layers, all_at_once)
+            forwards["async_tp_all_peers_at_once"] = lambda m=(by_all_at_once if layers > 1 else by_all_at_once[0]): m(x_rows)
             forwards["async_tp_gemm_pushes"] = lambda m=(by_gemms if layers > 1 else by_gemms[0]): m(x_rows)
             if layers > 1:
                 forwards["async_tp_kernel_barriers"] = lambda: by_kernels(x_rows)
                 for mib, model in by_pieces.items():
                     forwards[f"async_tp_pieces_{mib}MiB"] = lambda m=model: m(x_rows)
+            if args.variants:
+                forwards = {k: v for k, v in forwards.items() if k in args.variants.split(",")}
             times = time_forwards(forwards, nccl, iters=args.iters, warmup=args.warmup, cuda=True)
             rows += [{"variant": name, "layers": layers, "ms": seconds * 1e3} for name, seconds in times.items()]
+        if args.host_profile:
+            host_profile({"async_no_transfers": lambda: still(x_rows), "async_tp": lambda: fast(x_rows)}, r)
         if args.clocks:
             clocks = sample_clocks({"compute": no_comm(stack), "async_no_transfers": lambda: still(x_rows),
                                     "async_tp": lambda: fast(x_rows), "plain_nccl": lambda: stack(x)}, r)
@@ -206,6 +219,8 @@ def main():
               f"{queued * 1e3:.1f} ms, the GPU runs it in {gpu * 1e3:.1f} ms")
         print(df.pivot(index="variant", columns="layers", values="ms_per_layer").round(3).to_string())
         stack_rows = df[df.layers == args.layers].set_index("variant")["ms_per_layer"]
+        if not {"compute", "async_tp", "nccl_comm"} <= set(stack_rows.index):
+            return
         exposed = stack_rows["async_tp"] - stack_rows["compute"]
         print(f"per layer of the stack: compute {stack_rows['compute']:.3f} ms, async {stack_rows['async_tp']:.3f} ms, "
               f"NCCL comm alone {stack_rows['nccl_comm']:.3f} ms -> hidden {1 - exposed / stack_rows['nccl_comm']:.1%}")
@@ -262,6 +277,33 @@ def summarize(name, path, prof, rank):
           f"{ {sid: round(c / 1e3, 3) for sid, c in copies.items() if c} }")
     for gap, before, after in gaps[:8]:
         print(f"  gap {gap / 1e3:.3f} ms  after {before}  before {after}")
+
+
+def host_profile(forwards, rank, top=25):
+    """Where the host's time goes while it queues one pass (cProfile, every rank: the passes are collective;
+    rank 0 prints its own): the GPU idles wherever the host falls behind it."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, forward in forwards.items():
+        forward()
+        torch.cuda.synchronize()
+        WORLD.Barrier()
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        forward()
+        profiler.disable()
+        queued = time.perf_counter() - started
+        torch.cuda.synchronize()
+        gpu = time.perf_counter() - started
+        if rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+            print(f"\nhost profile, {name}: queued in {queued * 1e3:.1f} ms (under cProfile), GPU done after "
+                  f"{gpu * 1e3:.1f} ms\n" + "\n".join(text.getvalue().splitlines()[4:]))
+        WORLD.Barrier()
 
 
 def sample_clocks(forwards, rank, seconds=2.0):
