@@ -182,8 +182,9 @@ class CopyEngineComm(Communicator):
 class StreamBarriers:
     """A barrier with every peer queued on a stream *without any kernel*: stream memory operations, which
     the GPU's front end executes, not its SMs. Each rank writes the barrier's number into its slot of every
-    peer's flags (cuStreamWriteValue32: after all earlier work of the stream, with a system-wide memory
-    fence first), then the stream waits until each peer has written it here (cuStreamWaitValue32, >=).
+    peer's flags (a 32-bit write after all earlier work of the stream, with a system-wide memory fence
+    first), then the stream waits until each peer has written it here (a 32-bit wait, >=): 2(p-1)
+    operations queued by one driver call (cuStreamBatchMemOp).
     A GEMM that holds every SM cannot delay it, as it delays a barrier kernel waiting for a free SM.
     Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing."""
 
@@ -201,6 +202,27 @@ class StreamBarriers:
         except ImportError:
             self.driver = None
         self.kind = "stream memory operations" if self.driver else "flag_barrier kernel"
+        self.operations = self._operations() if self.driver else []
+
+    def _operations(self) -> list:
+        """The barrier's 2(p-1) operations, made once (queue() only sets their number): my writes to every
+        peer, then my waits for every peer's write -- one driver call queues them all, not 2(p-1): the host
+        must stay ahead of the GPU, and each call costs it microseconds."""
+        cu, operations = self.driver, []
+        peers = [q for q in range(self.peers.size) if q != self.peers.rank]
+        for q in peers:
+            write = cu.CUstreamBatchMemOpParams()
+            write.writeValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+            write.writeValue.address = cu.CUdeviceptr(self.remote[q])
+            write.writeValue.flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT   # (fence first)
+            operations.append(write)
+        for q in peers:
+            wait = cu.CUstreamBatchMemOpParams()
+            wait.waitValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+            wait.waitValue.address = cu.CUdeviceptr(self.local[q])
+            wait.waitValue.flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            operations.append(wait)
+        return operations
 
     def queue(self, stream, graph_safe: bool = False) -> None:
         """Queue the barrier on ``stream``; ``graph_safe``: as the flag_barrier kernel (for a CUDA graph)."""
@@ -208,16 +230,15 @@ class StreamBarriers:
             with stream:
                 self.peers.queue_barrier()
             return
-        cu, self.count = self.driver, self.count + 1
-        handle = cu.CUstream(stream.ptr)
-        for q in range(self.peers.size):
-            if q != self.peers.rank:
-                _check(cu.cuStreamWriteValue32(handle, cu.CUdeviceptr(self.remote[q]), self.count,
-                                               cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))
-        for q in range(self.peers.size):
-            if q != self.peers.rank:
-                _check(cu.cuStreamWaitValue32(handle, cu.CUdeviceptr(self.local[q]), self.count,
-                                              cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+        self.count += 1
+        if not self.operations:                                       # (one rank: nobody to meet)
+            return
+        half = len(self.operations) // 2
+        for write, wait in zip(self.operations[:half], self.operations[half:]):
+            write.writeValue.value = self.count
+            wait.waitValue.value = self.count
+        _check(self.driver.cuStreamBatchMemOp(self.driver.CUstream(stream.ptr), len(self.operations),
+                                              self.operations, 0))
 
 
 def _check(result) -> None:
