@@ -299,10 +299,13 @@ def host_profile(forwards, rank, top=25):
         torch.cuda.synchronize()
         gpu = time.perf_counter() - started
         if rank == 0:
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+            stats = pstats.Stats(profiler, stream=io.StringIO()).stats   # {(file, line, name): (cc, nc, tt, ct, callers)}
+            rows = sorted(((tt, ct, nc, f"{Path(file).name}:{line}({fn})") for (file, line, fn), (_, nc, tt, ct, _)
+                           in stats.items()), reverse=True)[:top]
             print(f"\nhost profile, {name}: queued in {queued * 1e3:.1f} ms (under cProfile), GPU done after "
-                  f"{gpu * 1e3:.1f} ms\n" + "\n".join(text.getvalue().splitlines()[4:]))
+                  f"{gpu * 1e3:.1f} ms; own time, time with callees (ms), calls, us per call:")
+            for tt, ct, nc, where in rows:
+                print(f"  {tt * 1e3:7.3f} {ct * 1e3:7.3f} {nc:5d} {tt / nc * 1e6:8.1f}  {where}")
         WORLD.Barrier()
 
 
