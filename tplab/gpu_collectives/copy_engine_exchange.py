@@ -180,7 +180,8 @@ class CopyEngineExchange:
         landed, events = {}, {}
         for i, q in enumerate(self._peers()):                          # r+1 first: the shard needed first
             stream = self.pullers[i % len(self.pullers)]
-            stream.wait_event(published)
+            if i < len(self.pullers):                                  # (once per lane: its copies run in order)
+                stream.wait_event(published)
             landed[q] = torch.empty_like(shard) if out is None else out[q]
             _copy(landed[q].data_ptr(), self.gather_memory.data_pointer(q) + half * self.slot, nbytes, stream,
                   self.piece)

@@ -39,8 +39,16 @@ def attend(q, k, v, *, causal: bool, mask=None):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (b, n, s_k, d)
     s_q, s_k = q.shape[2], k.shape[2]
     if causal and mask is None:
-        # PyTorch's fused kernels take this bias as it is (no (s_q, s_k) mask in memory); for s_q == s_k
-        # it is plain is_causal=True, elsewhere on the CPU the materialised lower-right boolean mask
+        if s_q == s_k:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and s_q < s_k:
+            try:  # the kernel the bias below dispatches to, without the dispatch (tens of us of host time a call)
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, True, False, scale=q.shape[-1] ** -0.5)[0]
+            except RuntimeError:  # (a head dim or GPU FlashAttention does not take: the bias finds another)
+                pass
+        # PyTorch's fused kernels take this bias as it is (no (s_q, s_k) mask in memory); elsewhere on the
+        # CPU the materialised lower-right boolean mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s_q, s_k))
     if causal:
         visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)  # (s_q, s_k)
