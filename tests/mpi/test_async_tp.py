@@ -68,6 +68,18 @@ def test_a_stack_of_blocks_and_repeated_calls():
             close(fast(my_rows(x, R, P)), my_rows(want, R, P), f"stack of 3, call {seed}")
 
 
+def test_under_inference_mode_with_weights_changed_in_place():
+    """torch.inference_mode: no version counters (a block built under it, its weights changed in place); the
+    block still follows its weights call after call."""
+    with torch.inference_mode():
+        plain = block(3)
+        fast = AsyncTPBlock(plain, EXCHANGE)
+        x = whole_input(2 * P)
+        for step in range(2):
+            close(fast(my_rows(x, R, P)), my_rows(plain(x), R, P), f"inference_mode, step {step}")
+            plain.attention.k_proj.weight.mul_(0.5)
+
+
 def test_exchange_gathers_every_shard_and_scatters_sums():
     mine = torch.full((2, 3), float(R), dtype=torch.float64)
     gathered = EXCHANGE.start_gather(mine)

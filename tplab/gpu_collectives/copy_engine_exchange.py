@@ -209,9 +209,12 @@ class CopyEngineExchange:
         """Rank q's half of p slots (mapped here) as one tensor (p, *shape) over the shared memory (no copy).
         Made once per (q, half, shape, dtype): making a tensor over foreign memory costs the host tens of
         microseconds, and the host must stay ahead of the GPU."""
+        import torch
+
         key = (q, half, tuple(shape), dtype)
         if key not in self._views:
-            self._views[key] = self._make_slots(q, half, shape, dtype)
+            with torch.inference_mode(False):   # (a view made under inference_mode could not be written outside it)
+                self._views[key] = self._make_slots(q, half, shape, dtype)
         return self._views[key]
 
     def _make_slots(self, q: int, half: int, shape, dtype):

@@ -41,7 +41,7 @@ def attend(q, k, v, *, causal: bool, mask=None):
     if causal and mask is None:
         if s_q == s_k:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and s_q < s_k:
+        if _flash_directly(q, k, v) and s_q < s_k:
             try:  # the kernel the bias below dispatches to, without the dispatch (tens of us of host time a call)
                 return torch.ops.aten._scaled_dot_product_flash_attention(
                     q, k, v, 0.0, True, False, scale=q.shape[-1] ** -0.5)[0]
@@ -54,6 +54,14 @@ def attend(q, k, v, *, causal: bool, mask=None):
         visible = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)  # (s_q, s_k)
         mask = mask & visible if mask.dtype == torch.bool else mask.masked_fill(~visible, float("-inf"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _flash_directly(q, k, v) -> bool:
+    """May ``attend`` call FlashAttention's kernel itself, as the lower-right bias would? On a GPU in bf16 or
+    fp16, with the flash backend allowed (``torch.backends.cuda.flash_sdp_enabled()``, which ``sdpa_kernel``
+    sets) and nothing to differentiate (inference: the bias's own checks for a backward are not repeated)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and torch.backends.cuda.flash_sdp_enabled()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 def attend_with_lse(q, k, v, *, causal: bool):

@@ -105,17 +105,17 @@ class AsyncTPBlock(nn.Module):
         return scatter.finish()
 
     def _qkv_weights(self):
-        """The Q, K and V projections stacked into one weight (and bias): one GEMM per shard instead of three,
-        fewer launches for the host to queue and a wider GEMM for the GPU. A copy (the size of the three),
-        made again whenever one of them is changed in place or replaced."""
+        """The Q, K and V projections stacked into one weight (and bias), for one GEMM per shard instead of
+        three: fewer launches for the host to queue, a wider GEMM for the GPU. Stacked again at every call (a
+        copy the size of the three, tens of microseconds on a GPU), not cached: a cache would miss weights
+        changed in place where PyTorch keeps no version (inference tensors, ``.data``, writes by other
+        libraries)."""
         projections = (self.block.attention.q_proj, self.block.attention.k_proj, self.block.attention.v_proj)
-        tensors = [t for proj in projections for t in (proj.weight, proj.bias) if t is not None]
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
-        if getattr(self, "_qkv_key", None) != key:
-            weight = torch.cat([proj.weight.detach() for proj in projections])
-            bias = None if projections[0].bias is None else torch.cat([proj.bias.detach() for proj in projections])
-            self._qkv_key, self._qkv = key, (weight, bias)
-        return self._qkv
+        weight = torch.cat([proj.weight for proj in projections])
+        if all(proj.bias is None for proj in projections):
+            return weight, None
+        return weight, torch.cat([proj.weight.new_zeros(proj.out_features) if proj.bias is None else proj.bias
+                                  for proj in projections])
 
     # ---- the MLP half ---------------------------------------------------------------------------------------
     def _mlp(self, x, residual):  # (s/p, b, h) -> residual + mlp(x), (s/p, b, h)
