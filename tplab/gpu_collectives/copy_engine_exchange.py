@@ -21,8 +21,9 @@ between calls (a call writes a half only when the call before last is over every
                        peers' shards land in all[q] (one contiguous (p, ...) tensor; mine copied to all[r]):
                        an all-gather that no SM moves (tplab.sequence.gather.exchange_allgather_first_dim).
     out_for(q), send(q):  the GEMM writes rank q's partial into a local tensor, then a side stream pushes
-                       it into slot r of rank q's half with a copy engine (in the order sent, one at a time). With ``pushes="gemm"`` the GEMM
-                       writes it straight into that slot, over NVLink, tile by tile (SMs store it; no copy).
+                       it into slot r of rank q's half with a copy engine (in the order sent, one at a
+                       time). With ``pushes="gemm"`` the GEMM writes it straight into that slot, over
+                       NVLink, tile by tile (SMs store it; no copy).
     finish():          the caller's stream waits for my pushes, barrier ("every push has landed
                        everywhere"), then one reduction over my p slots -> my rows of the sum.
 

@@ -81,8 +81,8 @@ class AsyncTPBlock(nn.Module):
         a, p, r = self.block.attention, self.exchange.size, self.exchange.rank
         rows, b, _ = x.shape
         s, d = p * rows, a.head_dim
+        gathered = self.exchange.start_gather(x)        # (first: my shard's publishing waits for nothing after it)
         weight, bias = self._qkv_weights()              # (q + 2 kv heads per rank)·d rows: one GEMM per shard
-        gathered = self.exchange.start_gather(x)
         qkv = x.new_empty(s, b, weight.shape[0])         # (s, b, (n + 2k)/p·d)
         for q in gathered.order:                         # my rows first, then the peers' as they land
             linear_into(gathered.shard(q), weight, qkv[q * rows:(q + 1) * rows], bias=bias)
