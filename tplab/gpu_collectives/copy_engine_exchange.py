@@ -50,7 +50,7 @@ for ">= its number"); a scatter finished before the next starts. After an error 
 
 from __future__ import annotations
 
-from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send, out_problem
+from tplab.comm.shard_agreement import agree_on_shards, check_all_sent, check_send, digests_agree, out_problem
 from tplab.gpu_collectives.copy_engine import MEMCPY_DEVICE_TO_DEVICE, StreamBarriers
 from tplab.gpu_collectives.peer_memory import PeerMemory
 from tplab.toolkit.arrays import external_stream
@@ -126,25 +126,9 @@ class CopyEngineExchange:
             problem = "the last scatter has not finished (its barrier is what makes the next one's pushes safe)"
         self.calls += 1
         what = f"CopyEngineExchange.{what}"
-        if not self._digests_agree(what, t.shape, t.dtype, problem):   # (every rank takes the same branch)
+        if not digests_agree(self.mpi, what, self.calls, t.shape, t.dtype, problem):  # (all take one branch)
             agree_on_shards(self.mpi.allgather, what, self.calls, t.shape, t.dtype, problem)
         self._stream = self._stream or stream
-
-    def _digests_agree(self, what, shape, dtype, problem) -> bool:
-        """The agreement's fast path: every rank's (call, shape, dtype) as a 64-bit digest and a problem flag
-        in one buffer allgather, a few microseconds where the full agreement pickles (tens of them, four
-        times a layer, and the host must stay ahead of the GPU). True when the digests agree and no rank has
-        a problem; otherwise every rank sees the same digests and runs the full agreement, which says what
-        differs."""
-        import hashlib
-
-        import numpy as np
-
-        digest = hashlib.blake2b(f"{what}|{self.calls}|{tuple(shape)}|{dtype}".encode(), digest_size=8).digest()
-        mine = np.array([int.from_bytes(digest, "little", signed=True), 1 if problem else 0], dtype=np.int64)
-        everyone = np.empty((self.size, 2), dtype=np.int64)
-        self.mpi.Allgather(mine, everyone)
-        return bool((everyone[:, 0] == everyone[0, 0]).all() and not everyone[:, 1].any())
 
     def refuse(self, what: str, problem: str, like=None) -> None:
         """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
