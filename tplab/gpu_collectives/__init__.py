@@ -5,6 +5,8 @@ here is one kernel, or a few copy-engine copies, that moves and sums the data it
 GPUs share (CUDA IPC over NVLink).
 
     peer_memory.py      PeerMemory: shared buffers and flags; one_shot / two_shot / ring all-reduce kernels
+    peer_agreement.py   the agreement every call starts with, and a failed one's error on every rank (the
+                        host's side); the flags area's layout
     kernels/            the kernels, one concept per file (compiled at first use as one source, NVRTC through CuPy)
     peer_alltoall.py    peer_alltoall: each rank writes each destination's block into that peer's buffer
     peer_kernels.py     compiling, launching (cuLaunchKernel, arguments packed once), torch <-> CuPy views

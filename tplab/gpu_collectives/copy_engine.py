@@ -43,8 +43,8 @@ import numpy as np
 
 from tplab.comm.base import Communicator, Unsupported
 from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK, kernel, torch_as_cupy, type_name
+from tplab.gpu_collectives.peer_agreement import capturing as is_capturing  # (a local name: `capturing` below)
 from tplab.gpu_collectives.peer_memory import PeerMemory
-from tplab.gpu_collectives.peer_memory import capturing as is_capturing  # (a local name: `capturing` below)
 from tplab.toolkit.arrays import external_stream, is_torch
 
 MEMCPY_DEVICE_TO_DEVICE = 3
@@ -189,7 +189,7 @@ class StreamBarriers:
     Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing."""
 
     def __init__(self, peers: PeerMemory):
-        from tplab.gpu_collectives.peer_memory import MAX_RANKS, STREAM_SLOT
+        from tplab.gpu_collectives.peer_agreement import MAX_RANKS, STREAM_SLOT
 
         self.peers, self.count = peers, 0
         offset = STREAM_SLOT * MAX_RANKS * 4

@@ -40,25 +40,20 @@ import ctypes
 
 import numpy as np
 
-from tplab.comm.base import CollectiveArgumentError, CommTimeoutError
+from tplab.comm.base import CollectiveArgumentError
+from tplab.gpu_collectives.peer_agreement import (AGREE_SLOT, BARRIER_SLOT, MAX_BLOCKS, MAX_RANKS,  # noqa: F401
+                                                  MISMATCH, PEER_REFUSED, SIGNATURE_BYTES, STATUS_WORDS,
+                                                  STREAM_SLOT, TIMEOUT, GpuAgreement, capturing)
 from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, programmatic_launch_works,
                                                 raw_bytes, type_name, whole_packs)
-from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, describe, signature
+from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, signature
 from tplab.toolkit.arrays import external_stream
 
 ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
-MAX_RANKS = 8               # as in kernels/memory_model.cuh
-MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLOT, multiprocessors)
-BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
-STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
-AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (kernels/agreement.cuh)
 PULLED = 1 << 40  # flipped in a call's signature when its input is pulled from the shared buffer (same count, dtype)
 # (1 << 41 is the kernels' early bit: two_shot.cu flips it in the signature of a call that pushes before it agrees)
-SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
-STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
-MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
 THREADS = 512
 MIN_THREADS = 128           # the two-shots' smallest blocks, where their grid would leave SMs idle (block_threads):
                             #  4x H100, 64 KiB-1 MiB: 12.5-15.0 us against 13.4-15.9 with 512 (~7%; 2 GPUs ~4%;
@@ -79,7 +74,7 @@ DEFAULT_TABLE = ((256 << 10, "one_shot_ll"), (16 << 20, "two_shot"), (1 << 62, "
 TABLE_FOR_RANKS = {2: ((256 << 10, "one_shot_ll"), (4 << 20, "one_shot"), (1 << 62, "two_shot"))}
 
 
-class PeerMemory:
+class PeerMemory(GpuAgreement):
     """Shared buffers and flags of ``max_bytes`` per rank, mapped by every rank of ``mpi_comm`` (one node,
     one GPU per process, at most 8 ranks). Collective to build and to close. ``blocks`` caps the kernels'
     grid (default: one block per SM), leaving SMs to work that should overlap (like NCCL_MAX_NCHANNELS).
@@ -182,87 +177,6 @@ class PeerMemory:
         all peers' streams have reached theirs (nothing waits on the host)."""
         kernel("flag_barrier")((1,), (32,), (self.flag_pointers, self.epochs, np.int32(self.rank), self.everyone,
                                              np.int32(BARRIER_SLOT)))
-
-    # ---- agreement ----------------------------------------------------------------------------------------
-    def launch_agreement(self, sig: int) -> None:
-        """Queue an agreement alone on the current stream (one block): for a call that then runs by other
-        means (NCCL, hand-written algorithms), so that ranks on different paths still meet."""
-        kernel("agree_only")((1,), (32,), (self.control, np.uint64(sig), self.flag_pointers, self.epochs,
-                                          np.int32(self.rank), np.int32(self.size)))
-
-    def agree(self, sig: int) -> str | None:
-        """Collective: compare ``sig`` with every rank's on the GPUs, wait for the answer. None if all are
-        equal, else the message to raise (every rank gets one)."""
-        import cupy
-
-        self.raise_pending()
-        if self.size == 1:
-            return None
-        self.launch_agreement(sig)
-        cupy.cuda.get_current_stream().synchronize()
-        message = self._take_status()
-        if sig == REFUSED and message is None:   # this rank's call fails too, but its own refusal leaves no
-            self._barrier_on(cupy.cuda.get_current_stream().ptr)   # status to take. (A status taken here is an
-        return message                           # earlier call's, whose failure stopped this agreement unmet.)
-
-    def raise_pending(self, stream: int | None = None) -> None:
-        """Raise what an earlier call's agreement found, once its kernel has finished (a call that did not
-        wait: its result is not a sum). Free: it reads a word of host memory the kernels write. ``stream``:
-        where this rank's calls run (default: CuPy's current stream)."""
-        if self.broken:
-            raise CommTimeoutError(self.broken)
-        if self.status[0]:
-            raise CollectiveArgumentError(self._take_status(stream) + " (found after that call returned: its "
-                                          "result is not a sum; this call was not run)")
-
-    def _take_status(self, stream: int | None = None) -> str | None:
-        import cupy
-
-        code = int(self.status[0])
-        if not code:
-            return None
-        stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
-        message = self._status_message(code)
-        if capturing(stream):   # (clearing it and the barrier would be recorded into the graph, not run)
-            return message + " (found while a CUDA graph was being captured: raised again outside it)"
-        cupy.cuda.runtime.memsetAsync(self.control.data.ptr + 32, 0, 4, stream)  # Control.failed: kernels agree again
-        self.status[0] = 0
-        if code == TIMEOUT:
-            self.broken = message
-            return message
-        self._barrier_on(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
-        return message
-
-    def _status_message(self, code: int) -> str:
-        peer, call = int(self.status[1]), int(self.status[4])
-        theirs = int(self.status[2]) | int(self.status[3]) << 32
-        mine = int(self.status[5]) | int(self.status[6]) << 32
-        if code == TIMEOUT:
-            return (f"rank {self.rank}: rank {peer} did not join collective call {call} within the timeout "
-                    "(a program whose ranks diverged?); this peer memory is unusable: make a new one")
-        if code == PEER_REFUSED:
-            return f"rank {peer} refused its input in collective call {call} (its error says why)"
-        same = describe(mine) == describe(theirs)
-        return (f"ranks disagree in collective call {call}: rank {self.rank} passed {describe(mine)}, "
-                f"rank {peer} passed {describe(theirs)}" + (" (and a different op, algorithm or shape, or an "
-                                                           "input in the shared buffer on one rank only)"
-                                                           if same else ""))
-
-    def refuse(self, problem: str, what: str = "peer all-reduce"):
-        """This rank cannot take part in the call: tell the peers (their kernels stop at once), then raise."""
-        earlier = self.agree(REFUSED)   # (which queues this rank's barrier; the peers' raise queues theirs)
-        raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}"
-                                      + (f" (and an earlier call failed: {earlier})" if earlier else ""))
-
-    def _barrier_on(self, stream: int) -> None:
-        """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a
-        two_shot, push into the peers' buffers before they know whether the ranks agree, and such a push may
-        still be on its way when this rank has raised and goes on -- to write an input into buffer(), say.
-        The barrier waits on the GPU until every peer's failed kernel has ended; a peer that never comes
-        (its program went elsewhere) ends it after the timeout, which the next call raises (CommTimeoutError)."""
-        with external_stream(stream, self.device):
-            kernel("failure_barrier")((1,), (32,), (self.control, self.flag_pointers, self.epochs, np.int32(self.rank),
-                                                    self.everyone, np.int32(BARRIER_SLOT)))
 
     @property
     def buffer_address(self) -> int:
@@ -518,17 +432,6 @@ class PeerMemory:
             self.status = np.zeros(STATUS_WORDS, dtype=np.uint32)   # (nothing reads the freed memory)
             rt.freeHost(self._status_pointer)
             self._status_pointer = 0
-
-
-def capturing(stream: int) -> bool:
-    """Is ``stream`` being captured into a CUDA graph? (Asking about the legacy stream while another stream
-    of this thread captures is itself an error: that counts as capturing too.)"""
-    import cupy
-
-    try:
-        return bool(cupy.cuda.runtime.streamIsCapturing(stream))
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return True
 
 
 def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
