@@ -23,6 +23,8 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     async_tp_gemm_pushes the same, the partial sums written by the GEMMs straight into the peers' slots over
                          NVLink (CopyEngineExchange(pushes="gemm")); the gathers still by copy engines
     async_tp_kernel_barriers  the same as async_tp with one-block barrier kernels instead of stream operations
+    compute_graph, async_tp_graph, plain_nccl_graph   (``--graphs``) compute, async_tp (barrier kernels) and
+                         plain_nccl, each a CUDA graph's replay: the GPU's time with the host's queueing taken out
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -81,6 +83,9 @@ def main():
                         help="also the stack with every copy in pieces of these many MiB (e.g. 4,16)")
     parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch.backends.cuda.preferred_blas_library")
     parser.add_argument("--variants", default="", help="only these variants (comma-separated; default: all)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also the stack as CUDA graph replays: compute_graph, async_tp_graph (its own exchange, "
+                             "barrier_kernels=True), plain_nccl_graph -- the host's queueing taken out of them all")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host's queueing of one async pass (cProfile, rank 0 prints the top)")
     parser.add_argument("--clocks", action="store_true",
@@ -182,6 +187,8 @@ def main():
                 forwards["async_tp_kernel_barriers"] = lambda: by_kernels(x_rows)
                 for mib, model in by_pieces.items():
                     forwards[f"async_tp_pieces_{mib}MiB"] = lambda m=model: m(x_rows)
+            if layers > 1 and args.graphs:
+                forwards |= graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack=my_rows(stack(x), r, p))
             if args.variants:
                 forwards = {k: v for k, v in forwards.items() if k in args.variants.split(",")}
             times = time_forwards(forwards, nccl, iters=args.iters, warmup=args.warmup, cuda=True)
@@ -224,6 +231,34 @@ def main():
         exposed = stack_rows["async_tp"] - stack_rows["compute"]
         print(f"per layer of the stack: compute {stack_rows['compute']:.3f} ms, async {stack_rows['async_tp']:.3f} ms, "
               f"NCCL comm alone {stack_rows['nccl_comm']:.3f} ms -> hidden {1 - exposed / stack_rows['nccl_comm']:.1%}")
+        if {"compute_graph", "async_tp_graph"} <= set(stack_rows.index):
+            exposed = stack_rows["async_tp_graph"] - stack_rows["compute_graph"]
+            print(f"as CUDA graphs: compute {stack_rows['compute_graph']:.3f} ms, async {stack_rows['async_tp_graph']:.3f} "
+                  f"ms -> hidden {1 - exposed / stack_rows['nccl_comm']:.1%}")
+
+
+def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack):
+    """The stack captured into CUDA graphs (tplab.overlap.metrics.captured): the compute alone, the async
+    layer on an exchange of its own with barrier kernels (stream barriers cannot be replayed), and the plain
+    layer over NCCL. A replay queues a whole pass at once, so each is the GPU's time, not the host's. Checks
+    the async graph's output against the plain stack's rows (bf16 rounding)."""
+    from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange
+    from tplab.overlap.metrics import captured
+
+    exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=True)
+    fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
+    fast(x_rows)                                         # eager first: the scatter area is made outside a capture
+    graphs = {"compute_graph": captured(no_comm(stack)), "async_tp_graph": captured(lambda: fast(x_rows)),
+              "plain_nccl_graph": captured(lambda: stack(x))}
+    got = graphs["async_tp_graph"]().float()
+    torch.cuda.synchronize()
+    diff = ((got - want_stack.float()).abs().max() / want_stack.float().abs().max()).item()
+    worst = max(WORLD.allgather(diff))
+    if WORLD.rank == 0:
+        print(f"async_tp_graph: the stack's rows against the plain stack's, max_rel_diff {worst:.2e}")
+    if worst > 0.05:
+        raise RuntimeError(f"async_tp_graph differs from the plain stack by {worst:.2e} (bf16 rounding: ~1e-2)")
+    return graphs
 
 
 def profile(name, forward, out: Path, rank: int) -> None:

@@ -41,10 +41,22 @@ or the slots it summed) -- and call j-2 is the one that used half h.
     exchange = CopyEngineExchange(mpi_comm, max_shard_bytes=80 << 20)   # collective; one node
     AsyncTPBlock(block, exchange)(x_shard)                              # tplab.overlap.async_tp
 
-Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank):
-eager only (the barriers' counts are fixed when queued, which a CUDA graph's replays would repeat); every
-call on the stream of the first (the barriers of two streams could overtake each other: a barrier waits
-for ">= its number"); a scatter finished before the next starts. After an error left a call open
+Inside a CUDA graph (``barrier_kernels=True``). A stream barrier waits for a number fixed when it is
+queued, so a replay would find its numbers already reached and not wait: captured calls need the one-block
+flag_barrier kernel, whose counts live in GPU memory. The halves' rule breaks too: a graph replayed again
+and again repeats its halves, and one with an odd number of calls meets its own last call's half at the
+start of the next replay, with no barrier in between. So once a call has been captured (``graphed``), every
+call meets its peers *before* it writes into shared memory as well: a gather's publisher before it copies
+my shard in (every peer's stream has then finished its earlier gathers: it waited for their pulls), a
+scatter before its first push (every peer has summed its earlier scatters' slots) -- on the side streams,
+so the GEMMs go on meanwhile. Warm up eagerly first (the first scatter makes the scatter area, which a
+capture cannot; compilation and cuBLAS's set-up neither).
+
+Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank): a
+capture needs ``barrier_kernels=True``; with stream barriers every call on the stream of the first (the
+barriers of two streams could overtake each other: a barrier waits for ">= its number"; barrier kernels
+take any stream, each call ordered after the last as a program's are); a scatter finished before the next
+starts. A capture's agreement runs when it is captured, not at replays. After an error left a call open
 (``abandon``), the halves' rule no longer holds: the exchange refuses every later call; make a new one.
 """
 
@@ -92,20 +104,22 @@ class CopyEngineExchange:
             raise ValueError(f"piece_bytes must be >= 0 (0: whole copies), not {piece_bytes}")
         self.piece = int(piece_bytes)            # > 0: every copy in pieces of this many bytes (_copy)
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
-        self.calls, self._stream = 0, None       # every call on one stream: the first one's (see _check)
+        self.calls, self._stream = 0, None       # stream barriers: every call on the first one's (see _check)
+        self.graphed = False                     # a call was captured: from then on every call meets first
         self.broken = ""                         # set by abandon() when a call was left open
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
 
     def _peers(self) -> list[int]:
         return [(self.rank + i) % self.size for i in range(1, self.size)]  # r+1 first: peers spread the load
 
-    def _check(self, t, what, problem="") -> None:
+    def _check(self, t, what, problem=""):
         """Every rank makes the same call, with a shard that fits, lies on its GPU and has one shape and
-        dtype, on the stream of the first call, or every rank raises."""
+        dtype, on a stream it may use, or every rank raises. Returns the call's stream (torch's current)."""
         import torch
 
         nbytes = t.numel() * t.element_size()
         stream = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
         if problem:
             pass
         elif self.broken:
@@ -117,9 +131,13 @@ class CopyEngineExchange:
         elif nbytes > self.slot:
             problem = (f"a shard of {nbytes} bytes does not fit the {self.slot}-byte slots (make the exchange "
                        "with a larger max_shard_bytes)")
-        elif torch.cuda.is_current_stream_capturing():
-            problem = "eager only, not inside a CUDA graph capture (its stream barriers' numbers are fixed when queued)"
-        elif self._stream is not None and stream != self._stream:
+        elif capturing and not self.barrier_kernels:
+            problem = ("inside a CUDA graph capture only with barrier_kernels=True (stream barriers' numbers are "
+                       "fixed when queued: a replay would not wait)")
+        elif capturing and what == "start_scatter" and self.scatter_memory is None:
+            problem = ("the first scatter must run eagerly, before any capture: it allocates the shared scatter "
+                       "area, which a capture cannot")
+        elif not self.barrier_kernels and self._stream is not None and stream != self._stream:
             problem = ("every call on one stream (the barriers of two streams could overtake each other): this one "
                        f"on {stream}, the first on {self._stream}")
         elif what == "start_scatter" and "scatter" in self._open:
@@ -129,6 +147,8 @@ class CopyEngineExchange:
         if not digests_agree(self.mpi, what, self.calls, t.shape, t.dtype, problem):  # (all take one branch)
             agree_on_shards(self.mpi.allgather, what, self.calls, t.shape, t.dtype, problem)
         self._stream = self._stream or stream
+        self.graphed = self.graphed or capturing
+        return stream
 
     def refuse(self, what: str, problem: str, like=None) -> None:
         """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
@@ -148,7 +168,7 @@ class CopyEngineExchange:
     def start_gather(self, shard, out=None) -> "CopyEngineGather":
         import torch
 
-        self._check(shard, "start_gather", out_problem(shard, out, self.size))
+        caller = self._check(shard, "start_gather", out_problem(shard, out, self.size))
         if "gather" in self._open:
             self._open.pop("gather").done()                              # (the halves' rule needs it)
         shard = shard.contiguous()
@@ -156,7 +176,9 @@ class CopyEngineExchange:
             out[self.rank].copy_(shard)
         nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
         self.gathers += 1
-        self.publisher.wait_stream(self._stream)                         # the shard has been computed
+        self.publisher.wait_stream(caller)                               # the shard has been computed
+        if self.graphed and self.size > 1:                               # every peer is done with its pulls
+            self.gather_barriers.queue(_cupy_stream(self.publisher), True)
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
               self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
@@ -172,11 +194,11 @@ class CopyEngineExchange:
                   self.piece)
             landed[q].record_stream(stream)
             events[q] = stream.record_event()
-        self._open["gather"] = CopyEngineGather(self, shard, landed, events)
+        self._open["gather"] = CopyEngineGather(self, caller, shard, landed, events, published)
         return self._open["gather"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":
-        self._check(like, "start_scatter")
+        caller = self._check(like, "start_scatter")
         if self.scatter_memory is None:  # (collective: every rank has just agreed to this call; a program that
             import cupy                  #  only gathers -- sequence parallelism -- never holds these p slots)
             import torch
@@ -187,7 +209,7 @@ class CopyEngineExchange:
             self.scatter_barriers = StreamBarriers(self.scatter_memory)
         half = self.scatters % 2
         self.scatters += 1
-        self._open["scatter"] = CopyEngineScatter(self, half, tuple(like.shape), like.dtype)
+        self._open["scatter"] = CopyEngineScatter(self, caller, half, tuple(like.shape), like.dtype)
         return self._open["scatter"]
 
     def _slots(self, q: int, half: int, shape, dtype):
@@ -226,28 +248,41 @@ class CopyEngineExchange:
 
 
 class CopyEngineGather:
-    def __init__(self, exchange, shard, landed, events):
+    def __init__(self, exchange, stream, shard, landed, events, published):
         self.order = [exchange.rank, *events]               # mine, then the peers from r+1 on
-        self._exchange, self._shard, self._landed, self._events = exchange, shard, landed, events
+        self._exchange, self._stream, self._shard, self._landed = exchange, stream, shard, landed
+        self._events, self._published = events, published
 
     def shard(self, q: int):
         if q == self._exchange.rank:
             return self._shard
-        self._exchange._stream.wait_event(self._events[q])    # (the caller's stream waits, not the host)
+        self._stream.wait_event(self._events[q])             # (the caller's stream waits, not the host)
         return self._landed[q]
 
     def done(self) -> None:
         for event in self._events.values():                 # (shards nobody asked for: still wait for them)
-            self._exchange._stream.wait_event(event)
-        if self._exchange._open.get("gather") is self:
+            self._stream.wait_event(event)
+        self._stream.wait_event(self._published)            # (one rank: nothing else joins the publisher back,
+        if self._exchange._open.get("gather") is self:      #  and a capture must end with every stream joined)
             del self._exchange._open["gather"]
 
 
 class CopyEngineScatter:
-    def __init__(self, exchange: CopyEngineExchange, half: int, shape, dtype):
-        self._exchange, self._half, self._shape, self._dtype = exchange, half, shape, dtype
+    def __init__(self, exchange: CopyEngineExchange, stream, half: int, shape, dtype):
+        self._exchange, self._stream, self._half, self._shape, self._dtype = exchange, stream, half, shape, dtype
         self._slots = exchange._slots(exchange.rank, half, shape, dtype)
         self._outgoing, self._sent, self._pushed = {}, set(), []
+        self._met = None       # graphed: the event of the meeting before the first push (every lane waits for it)
+
+    def _meet(self, stream) -> None:
+        """Graphed (see the module docstring): before this scatter's first write into a peer's slots, a
+        barrier on ``stream`` -- every peer has summed its earlier scatters' slots. Once per scatter."""
+        ex = self._exchange
+        if self._met is None:
+            ex.scatter_barriers.queue(_cupy_stream(stream), True)
+            self._met = stream.record_event()
+        else:
+            stream.wait_event(self._met)
 
     def out_for(self, q: int):
         """Where rank q's partial goes: my own slot for q = rank; else a local tensor that ``send`` pushes
@@ -259,6 +294,8 @@ class CopyEngineScatter:
         if q == ex.rank:
             return self._slots[q]
         if q not in self._outgoing:
+            if ex.pushes == "gemm" and ex.graphed and self._met is None:
+                self._meet(self._stream)            # (the GEMM on the caller's stream writes into rank q's memory)
             self._outgoing[q] = (ex._slots(q, self._half, self._shape, self._dtype)[ex.rank] if ex.pushes == "gemm"
                                  else torch.empty(self._shape, dtype=self._dtype, device=f"cuda:{ex.device}"))
         return self._outgoing[q]
@@ -271,7 +308,9 @@ class CopyEngineScatter:
             return                                                     # (written in place, over NVLink)
         partial = self._outgoing[q]
         stream = ex.pushers[len(self._pushed) % len(ex.pushers)]       # in the order the GEMMs wrote them
-        stream.wait_stream(ex._stream)                                 # the GEMM that wrote it
+        stream.wait_stream(self._stream)                               # the GEMM that wrote it
+        if ex.graphed:
+            self._meet(stream)
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
         _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream, ex.piece)
         partial.record_stream(stream)
@@ -281,8 +320,8 @@ class CopyEngineScatter:
         ex = self._exchange
         check_all_sent(ex, self._sent)
         for event in self._pushed:
-            ex._stream.wait_event(event)
-        ex.scatter_barriers.queue(_cupy_stream(ex._stream), ex.barrier_kernels)   # every push has landed everywhere
+            self._stream.wait_event(event)
+        ex.scatter_barriers.queue(_cupy_stream(self._stream), ex.barrier_kernels)  # every push has landed everywhere
         ex._open.pop("scatter", None)
         return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
 
