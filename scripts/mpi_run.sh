@@ -9,8 +9,9 @@
 # threads share that one core; on 4x H100 a bound p = 2 run of tests/gpu timed out in test_gpu_overlap.py and
 # an unbound one passed -- the cause was not proven). Another launcher: set MPIEXEC (e.g. MPIEXEC="srun --mpi=pmix"), used as it is.
 set -u
-while [[ "${1:-}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do export "$1"; shift; done
-FORWARDED="NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS PYTHONPATH PYTHONUNBUFFERED
+given=""   # the names set by NAME=VALUE arguments: forwarded too
+while [[ "${1:-}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do export "$1"; given="$given ${1%%=*}"; shift; done
+FORWARDED="$given NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS PYTHONPATH PYTHONUNBUFFERED
 OMP_NUM_THREADS TPLAB_UNDER_MPIEXEC TPLAB_DATA_DIR CUDA_DEVICE_MAX_CONNECTIONS NCCL_MAX_CTAS NCCL_MIN_CTAS
 NCCL_MAX_NCHANNELS TORCH_NCCL_HIGH_PRIORITY"
 if [ -n "${MPIEXEC:-}" ]; then
