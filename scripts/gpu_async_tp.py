@@ -23,8 +23,9 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     async_tp_gemm_pushes the same, the partial sums written by the GEMMs straight into the peers' slots over
                          NVLink (CopyEngineExchange(pushes="gemm")); the gathers still by copy engines
     async_tp_kernel_barriers  the same as async_tp with one-block barrier kernels instead of stream operations
-    compute_graph, async_tp_graph, plain_nccl_graph   (``--graphs``) compute, async_tp (barrier kernels) and
-                         plain_nccl, each a CUDA graph's replay: the GPU's time with the host's queueing taken out
+    compute_graph, async_tp_graph, plain_nccl_graph   (``--graphs``) compute, async_tp and plain_nccl, each a
+                         CUDA graph's replay: the GPU's time with the host's queueing taken out
+    async_tp_graph_kernel_barriers  (``--graphs``) async_tp_graph with barrier kernels
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -84,8 +85,9 @@ def main():
     parser.add_argument("--blas", choices=["cublas", "cublaslt"], help="torch.backends.cuda.preferred_blas_library")
     parser.add_argument("--variants", default="", help="only these variants (comma-separated; default: all)")
     parser.add_argument("--graphs", action="store_true",
-                        help="also the stack as CUDA graph replays: compute_graph, async_tp_graph (its own exchange, "
-                             "barrier_kernels=True), plain_nccl_graph -- the host's queueing taken out of them all")
+                        help="also the stack as CUDA graph replays: compute_graph, async_tp_graph (on an exchange of its "
+                             "own; _kernel_barriers: with barrier kernels), plain_nccl_graph -- the host's queueing "
+                             "taken out of them all")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host's queueing of one async pass (cProfile, rank 0 prints the top)")
     parser.add_argument("--clocks", action="store_true",
@@ -239,25 +241,26 @@ def main():
 
 def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack):
     """The stack captured into CUDA graphs (tplab.overlap.metrics.captured): the compute alone, the async
-    layer on an exchange of its own with barrier kernels (stream barriers cannot be replayed), and the plain
-    layer over NCCL. A replay queues a whole pass at once, so each is the GPU's time, not the host's. Checks
-    the async graph's output against the plain stack's rows (bf16 rounding)."""
+    layer on exchanges of its own (replayable stream barriers; barrier kernels), and the plain layer over
+    NCCL. A replay queues a whole pass at once, so each is the GPU's time, not the host's. Checks each async
+    graph's output against the plain stack's rows (bf16 rounding)."""
     from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange
     from tplab.overlap.metrics import captured
 
-    exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=True)
-    fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
-    fast(x_rows)                                         # eager first: the scatter area is made outside a capture
-    graphs = {"compute_graph": captured(no_comm(stack)), "async_tp_graph": captured(lambda: fast(x_rows)),
-              "plain_nccl_graph": captured(lambda: stack(x))}
-    got = graphs["async_tp_graph"]().float()
-    torch.cuda.synchronize()
-    diff = ((got - want_stack.float()).abs().max() / want_stack.float().abs().max()).item()
-    worst = max(WORLD.allgather(diff))
-    if WORLD.rank == 0:
-        print(f"async_tp_graph: the stack's rows against the plain stack's, max_rel_diff {worst:.2e}")
-    if worst > 0.05:
-        raise RuntimeError(f"async_tp_graph differs from the plain stack by {worst:.2e} (bf16 rounding: ~1e-2)")
+    graphs = {"compute_graph": captured(no_comm(stack)), "plain_nccl_graph": captured(lambda: stack(x))}
+    for name, kernels in [("async_tp_graph", False), ("async_tp_graph_kernel_barriers", True)]:
+        exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=kernels)
+        fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
+        fast(x_rows)                                     # eager first: the scatter area is made outside a capture
+        graphs[name] = captured(lambda fast=fast: fast(x_rows))
+        got = graphs[name]().float()
+        torch.cuda.synchronize()
+        diff = ((got - want_stack.float()).abs().max() / want_stack.float().abs().max()).item()
+        worst = max(WORLD.allgather(diff))
+        if WORLD.rank == 0:
+            print(f"{name}: the stack's rows against the plain stack's, max_rel_diff {worst:.2e}")
+        if worst > 0.05:
+            raise RuntimeError(f"{name} differs from the plain stack by {worst:.2e} (bf16 rounding: ~1e-2)")
     return graphs
 
 

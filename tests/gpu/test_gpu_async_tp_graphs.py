@@ -1,5 +1,5 @@
-"""Async tensor parallelism inside CUDA graphs (CopyEngineExchange(barrier_kernels=True)): a captured block
-replayed on new inputs equals the plain block's rows (float64 ~1e-12) replay after replay; a graph of one
+"""Async tensor parallelism inside CUDA graphs (CopyEngineExchange: replayable stream barriers, or barrier
+kernels): a captured stack replayed on new inputs equals the plain block's rows (float64 ~1e-12) replay after replay; a graph of one
 gather (an odd number of calls: every replay reuses the same half) replayed back to back, the odd ranks'
 pulls held back, gathers every shard exactly; a capture the exchange cannot take is an error on every rank; a one-rank
 exchange captures too (its side stream joins back)."""
@@ -30,7 +30,7 @@ DEVICE = torch.device("cuda", torch.cuda.current_device())
 SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
 SHARD_BYTES = SEQ // P * BATCH * HIDDEN * 8   # one float64 shard
 GRAPHED = {"copy engines push": dict(), "every peer at once": dict(peers_at_once=max(P - 1, 1)),
-           "GEMMs write into the peers": dict(pushes="gemm")}
+           "GEMMs write into the peers": dict(pushes="gemm"), "barrier kernels": dict(barrier_kernels=True)}
 
 
 def block(seed=0, **config):
@@ -45,7 +45,7 @@ def whole_input(seed):
 
 @pytest.mark.parametrize("variant", list(GRAPHED))
 def test_a_captured_stack_replayed_on_new_inputs_equals_the_plain_blocks(variant):
-    exchange = CopyEngineExchange(COMM, SHARD_BYTES, barrier_kernels=True, **GRAPHED[variant])
+    exchange = CopyEngineExchange(COMM, SHARD_BYTES, **GRAPHED[variant])
     plain = [block(seed) for seed in range(2)]
     fast = torch.nn.Sequential(*[AsyncTPBlock(b, exchange) for b in plain])
     x = my_rows(whole_input(0), R, P)                  # the graph's input: written in place before each replay
@@ -106,10 +106,11 @@ def gather_replays(exchange, replays=12):
     return wrong.item(), (every - expected).abs().max().item()
 
 
-def test_a_graph_of_one_gather_replayed_back_to_back_with_late_pulls(monkeypatch):
+@pytest.mark.parametrize("kernels", [False, True], ids=["stream barriers", "barrier kernels"])
+def test_a_graph_of_one_gather_replayed_back_to_back_with_late_pulls(monkeypatch, kernels):
     """Only the meeting before the publisher's copy keeps a fast rank from overwriting what a late one
     still pulls (no other meeting lies between two replays of one gather)."""
-    exchange = CopyEngineExchange(COMM, 16 << 20, barrier_kernels=True)
+    exchange = CopyEngineExchange(COMM, 16 << 20, barrier_kernels=kernels)
     late_pulls(monkeypatch, exchange)
     wrong, last = gather_replays(exchange)
     agree(wrong == 0 and last == 0, f"wrong by {wrong} over the replays, the last replay's shards by {last}")
@@ -119,7 +120,7 @@ def test_a_graph_of_one_gather_replayed_back_to_back_with_late_pulls(monkeypatch
 @pytest.mark.skipif(P < 2 or not os.environ.get("TPLAB_SHOW_RACE"), reason="timing-dependent: run by hand with "
                     "TPLAB_SHOW_RACE=1 to see that the test above can fail")
 def test_without_the_meeting_the_late_pulls_read_the_next_replays_shards(monkeypatch):
-    exchange = CopyEngineExchange(COMM, 16 << 20, barrier_kernels=True)
+    exchange = CopyEngineExchange(COMM, 16 << 20)
     monkeypatch.setattr(CopyEngineExchange, "graphed", property(lambda self: False, lambda self, value: None),
                         raising=False)
     late_pulls(monkeypatch, exchange)
@@ -129,27 +130,30 @@ def test_without_the_meeting_the_late_pulls_read_the_next_replays_shards(monkeyp
 
 
 def test_captures_it_cannot_take_are_an_error_on_every_rank():
-    stream_barriers = CopyEngineExchange(COMM, 1 << 16)
-    fresh = CopyEngineExchange(COMM, 1 << 16, barrier_kernels=True)
+    exchange = CopyEngineExchange(COMM, 1 << 16)
     mine = torch.ones(64, device=DEVICE)
-    for exchange, start, message in [(stream_barriers, "start_gather", "only with barrier_kernels=True"),
-                                     (fresh, "start_scatter", "first scatter must run eagerly")]:
-        torch.cuda.synchronize()
-        with pytest.raises(CollectiveArgumentError, match=message):
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
-                getattr(exchange, start)(mine)
-    check = stream_barriers.start_gather(mine)          # both still work eagerly (nothing was queued)
+    torch.cuda.synchronize()
+    with pytest.raises(CollectiveArgumentError, match="first scatter must run eagerly"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            exchange.start_scatter(mine)
+    if P > 1:                                          # rank 0 captures a gather that the others run eagerly
+        with pytest.raises(CollectiveArgumentError, match="different calls"):
+            if R == 0:
+                with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+                    exchange.start_gather(mine)
+            else:
+                exchange.start_gather(mine)
+    check = exchange.start_gather(mine)                # it still works eagerly (nothing was queued)
     shards = [check.shard(q).clone() for q in range(P)]
     check.done()
     torch.cuda.synchronize()
-    agree(all(torch.equal(s, torch.ones_like(s)) for s in shards), "an eager gather after the refused capture")
-    stream_barriers.close()
-    fresh.close()
+    agree(all(torch.equal(s, torch.ones_like(s)) for s in shards), "an eager gather after the refused captures")
+    exchange.close()
 
 
 def test_a_one_rank_exchange_captures():
     alone = COMM.Split(R)                              # every rank its own one-rank exchange
-    exchange = CopyEngineExchange(alone, 1 << 16, barrier_kernels=True)
+    exchange = CopyEngineExchange(alone, 1 << 16)
     x = torch.zeros(8, 4, dtype=torch.float64, device=DEVICE)
     every = torch.empty(1, 8, 4, dtype=torch.float64, device=DEVICE)
 

@@ -186,15 +186,26 @@ class StreamBarriers:
     first), then the stream waits until each peer has written it here (a 32-bit wait, >=): 2(p-1)
     operations queued by one driver call (cuStreamBatchMemOp).
     A GEMM that holds every SM cannot delay it, as it delays a barrier kernel waiting for a free SM.
-    Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing."""
+    Falls back to the one-block flag_barrier kernel where the driver bindings (cuda-python) are missing.
+
+    Replayable barriers (``queue_replayable``), for CUDA graphs: a counted barrier's number is fixed when it
+    is queued, so a graph's replay would find it reached already. These write 1, wait for 1, then set their
+    own flags back to 0 -- no number to count -- in one of two slots ("roles") that a sequence of barriers
+    takes in turn (0, 1, 0, 1, ...). Why the turns: a peer that has passed barrier k may write barrier k+1's
+    flag here before this rank has reset barrier k's; in the other slot, that write survives. Barrier k+2,
+    in k's slot again, a peer reaches only after this rank's write of k+1, which comes after its reset of k."""
 
     def __init__(self, peers: PeerMemory):
-        from tplab.gpu_collectives.peer_agreement import MAX_RANKS, STREAM_SLOT
+        from tplab.gpu_collectives.peer_agreement import MAX_RANKS, REPLAY_SLOTS, STREAM_SLOT
 
         self.peers, self.count = peers, 0
-        offset = STREAM_SLOT * MAX_RANKS * 4
-        self.remote = [f + offset + peers.rank * 4 for f in peers._flags]    # my slot at each peer's
-        self.local = [peers._flags[peers.rank] + offset + q * 4 for q in range(peers.size)]  # theirs here
+
+        def addresses(slot):   # my flag at each peer's, and each peer's here
+            offset = slot * MAX_RANKS * 4
+            return ([f + offset + peers.rank * 4 for f in peers._flags],
+                    [peers._flags[peers.rank] + offset + q * 4 for q in range(peers.size)])
+
+        self.remote, self.local = addresses(STREAM_SLOT)
         try:
             from cuda.bindings import driver
 
@@ -202,26 +213,37 @@ class StreamBarriers:
         except ImportError:
             self.driver = None
         self.kind = "stream memory operations" if self.driver else "flag_barrier kernel"
-        self.operations = self._operations() if self.driver else []
+        self.operations = self._operations(self.remote, self.local) if self.driver else []
+        self.replayable = ([self._operations(*addresses(slot), reset=True) for slot in REPLAY_SLOTS]
+                           if self.driver else [])
 
-    def _operations(self) -> list:
+    def _operations(self, remote, local, reset: bool = False) -> list:
         """The barrier's 2(p-1) operations, made once (queue() only sets their number): my writes to every
         peer, then my waits for every peer's write -- one driver call queues them all, not 2(p-1): the host
-        must stay ahead of the GPU, and each call costs it microseconds."""
+        must stay ahead of the GPU, and each call costs it microseconds. ``reset``: the replayable barrier's
+        3(p-1): writes of 1, waits for 1, then my flags back to 0."""
         cu, operations = self.driver, []
         peers = [q for q in range(self.peers.size) if q != self.peers.rank]
+
+        def write(address, value):
+            op = cu.CUstreamBatchMemOpParams()
+            op.writeValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+            op.writeValue.address = cu.CUdeviceptr(address)
+            op.writeValue.flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT   # (fence first)
+            op.writeValue.value = value
+            return op
+
         for q in peers:
-            write = cu.CUstreamBatchMemOpParams()
-            write.writeValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
-            write.writeValue.address = cu.CUdeviceptr(self.remote[q])
-            write.writeValue.flags = cu.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT   # (fence first)
-            operations.append(write)
+            operations.append(write(remote[q], 1))
         for q in peers:
             wait = cu.CUstreamBatchMemOpParams()
             wait.waitValue.operation = cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
-            wait.waitValue.address = cu.CUdeviceptr(self.local[q])
+            wait.waitValue.address = cu.CUdeviceptr(local[q])
             wait.waitValue.flags = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            wait.waitValue.value = 1
             operations.append(wait)
+        if reset:
+            operations += [write(local[q], 0) for q in peers]
         return operations
 
     def queue(self, stream, graph_safe: bool = False) -> None:
@@ -237,8 +259,19 @@ class StreamBarriers:
         for write, wait in zip(self.operations[:half], self.operations[half:]):
             write.writeValue.value = self.count
             wait.waitValue.value = self.count
-        _check(self.driver.cuStreamBatchMemOp(self.driver.CUstream(stream.ptr), len(self.operations),
-                                              self.operations, 0))
+        self._batch(stream, self.operations)
+
+    def queue_replayable(self, stream, role: int) -> None:
+        """Queue a replayable barrier (class docstring) in slot ``role`` (0 or 1, taken in turn by the caller's
+        sequence of barriers); the flag_barrier kernel where the driver bindings are missing."""
+        if self.driver is None:
+            with stream:
+                self.peers.queue_barrier()
+        elif self.replayable[role]:
+            self._batch(stream, self.replayable[role])
+
+    def _batch(self, stream, operations) -> None:
+        _check(self.driver.cuStreamBatchMemOp(self.driver.CUstream(stream.ptr), len(operations), operations, 0))
 
 
 def _check(result) -> None:

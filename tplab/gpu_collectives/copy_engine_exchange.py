@@ -41,23 +41,27 @@ or the slots it summed) -- and call j-2 is the one that used half h.
     exchange = CopyEngineExchange(mpi_comm, max_shard_bytes=80 << 20)   # collective; one node
     AsyncTPBlock(block, exchange)(x_shard)                              # tplab.overlap.async_tp
 
-Inside a CUDA graph (``barrier_kernels=True``). A stream barrier waits for a number fixed when it is
-queued, so a replay would find its numbers already reached and not wait: captured calls need the one-block
-flag_barrier kernel, whose counts live in GPU memory. The halves' rule breaks too: a graph replayed again
-and again repeats its halves, and one with an odd number of calls meets its own last call's half at the
-start of the next replay, with no barrier in between. So once a call has been captured (``graphed``), every
-call meets its peers *before* it writes into shared memory as well: a gather's publisher before it copies
-my shard in (every peer's stream has then finished its earlier gathers: it waited for their pulls), a
-scatter before its first push (every peer has summed its earlier scatters' slots) -- on the side streams,
-so the GEMMs go on meanwhile. Warm up eagerly first (the first scatter makes the scatter area, which a
-capture cannot; compilation and cuBLAS's set-up neither).
+Inside a CUDA graph. A counted barrier waits for a number fixed when it is queued, so a replay would find
+its numbers already reached and not wait. Once a call has been captured (``graphed``), every barrier is a
+replayable one instead (StreamBarriers.queue_replayable: write 1, wait for 1, reset to 0, in two slots
+taken in turn), still without a kernel. The halves' rule breaks too: a graph replayed again and again
+repeats its halves, and one with an odd number of calls meets its own last call's half at the start of the
+next replay, with no barrier in between. So once graphed, every call also meets its peers *before* it
+writes into shared memory: a gather's publisher before it copies my shard in (every peer's stream has then
+finished its earlier gathers: it waited for their pulls), a scatter before its first push (every peer has
+summed its earlier scatters' slots) -- on the side streams, so the GEMMs go on meanwhile. Each call then
+holds two barriers, the first in slot 0 and the second in slot 1: the turns hold across replays. Warm up
+eagerly first (the first scatter makes the scatter area, which a capture cannot; compilation and cuBLAS's
+set-up neither). ``barrier_kernels=True``: the one-block flag_barrier kernel instead (its counts live in
+GPU memory, so it replays as it is; it needs a free SM, which a GEMM holding them all makes it wait for).
 
-Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank): a
-capture needs ``barrier_kernels=True``; with stream barriers every call on the stream of the first (the
-barriers of two streams could overtake each other: a barrier waits for ">= its number"; barrier kernels
-take any stream, each call ordered after the last as a program's are); a scatter finished before the next
-starts. A capture's agreement runs when it is captured, not at replays. After an error left a call open
-(``abandon``), the halves' rule no longer holds: the exchange refuses every later call; make a new one.
+Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank): every
+rank captures the same calls; a scatter finished before the next starts; no first scatter inside a capture.
+A capture's agreement runs when it is captured, not at replays. A call on another stream than the last
+one's first waits for that stream (the barriers of two streams must not overtake each other: a counted
+barrier waits for ">= its number"), except inside a capture, where the graph's own order holds. After an
+error left a call open (``abandon``), the halves' rule no longer holds: the exchange refuses every later
+call; make a new one.
 """
 
 from __future__ import annotations
@@ -83,8 +87,8 @@ class CopyEngineExchange:
         self.device = cupy.cuda.Device().id
         self.gather_memory = PeerMemory(mpi_comm, 2 * self.slot)                 # halves of one slot
         self.scatter_memory = None     # halves of p slots, p times the gather area: made by the first scatter
-        # one barrier sequence per area, each queued on one stream only (a barrier waits for ">= its number":
-        # numbers of two streams would overtake each other)
+        # one barrier sequence per area, each in the order of its calls (a barrier waits for ">= its number":
+        # numbers of two streams would overtake each other; see _check)
         self.gather_barriers = StreamBarriers(self.gather_memory)
         self.scatter_barriers = None
         if int(peers_at_once) < 1:
@@ -104,7 +108,7 @@ class CopyEngineExchange:
             raise ValueError(f"piece_bytes must be >= 0 (0: whole copies), not {piece_bytes}")
         self.piece = int(piece_bytes)            # > 0: every copy in pieces of this many bytes (_copy)
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
-        self.calls, self._stream = 0, None       # stream barriers: every call on the first one's (see _check)
+        self.calls, self._stream = 0, None       # the last call's stream (see _check)
         self.graphed = False                     # a call was captured: from then on every call meets first
         self.broken = ""                         # set by abandon() when a call was left open
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
@@ -131,24 +135,30 @@ class CopyEngineExchange:
         elif nbytes > self.slot:
             problem = (f"a shard of {nbytes} bytes does not fit the {self.slot}-byte slots (make the exchange "
                        "with a larger max_shard_bytes)")
-        elif capturing and not self.barrier_kernels:
-            problem = ("inside a CUDA graph capture only with barrier_kernels=True (stream barriers' numbers are "
-                       "fixed when queued: a replay would not wait)")
         elif capturing and what == "start_scatter" and self.scatter_memory is None:
             problem = ("the first scatter must run eagerly, before any capture: it allocates the shared scatter "
                        "area, which a capture cannot")
-        elif not self.barrier_kernels and self._stream is not None and stream != self._stream:
-            problem = ("every call on one stream (the barriers of two streams could overtake each other): this one "
-                       f"on {stream}, the first on {self._stream}")
         elif what == "start_scatter" and "scatter" in self._open:
             problem = "the last scatter has not finished (its barrier is what makes the next one's pushes safe)"
         self.calls += 1
-        what = f"CopyEngineExchange.{what}"
+        what = f"CopyEngineExchange.{what}{' (captured)' if capturing else ''}"   # (capturing alike, or an error)
         if not digests_agree(self.mpi, what, self.calls, t.shape, t.dtype, problem):  # (all take one branch)
             agree_on_shards(self.mpi.allgather, what, self.calls, t.shape, t.dtype, problem)
-        self._stream = self._stream or stream
+        if not capturing and self._stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)     # (this call's barriers after the last call's)
+        self._stream = stream
         self.graphed = self.graphed or capturing
         return stream
+
+    def _barrier(self, barriers, stream, role: int) -> None:
+        """A barrier with every peer, queued on ``stream``: the flag_barrier kernel (``barrier_kernels``), a
+        replayable stream barrier in slot ``role`` once graphed, else a counted one (module docstring)."""
+        if self.barrier_kernels:
+            barriers.queue(_cupy_stream(stream), True)
+        elif self.graphed:
+            barriers.queue_replayable(_cupy_stream(stream), role)
+        else:
+            barriers.queue(_cupy_stream(stream))
 
     def refuse(self, what: str, problem: str, like=None) -> None:
         """This rank cannot make its next call (``problem``): agree on it, so that every rank raises."""
@@ -178,11 +188,11 @@ class CopyEngineExchange:
         self.gathers += 1
         self.publisher.wait_stream(caller)                               # the shard has been computed
         if self.graphed and self.size > 1:                               # every peer is done with its pulls
-            self.gather_barriers.queue(_cupy_stream(self.publisher), True)
+            self._barrier(self.gather_barriers, self.publisher, 0)
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
               self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
-        self.gather_barriers.queue(_cupy_stream(self.publisher), self.barrier_kernels)  # all shards published
+        self._barrier(self.gather_barriers, self.publisher, 1)           # all shards published
         published = self.publisher.record_event()
         landed, events = {}, {}
         for i, q in enumerate(self._peers()):                          # r+1 first: the shard needed first
@@ -279,7 +289,7 @@ class CopyEngineScatter:
         barrier on ``stream`` -- every peer has summed its earlier scatters' slots. Once per scatter."""
         ex = self._exchange
         if self._met is None:
-            ex.scatter_barriers.queue(_cupy_stream(stream), True)
+            ex._barrier(ex.scatter_barriers, stream, 0)
             self._met = stream.record_event()
         else:
             stream.wait_event(self._met)
@@ -321,7 +331,7 @@ class CopyEngineScatter:
         check_all_sent(ex, self._sent)
         for event in self._pushed:
             self._stream.wait_event(event)
-        ex.scatter_barriers.queue(_cupy_stream(self._stream), ex.barrier_kernels)  # every push has landed everywhere
+        ex._barrier(ex.scatter_barriers, self._stream, 1)               # every push has landed everywhere
         ex._open.pop("scatter", None)
         return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
 

@@ -30,6 +30,7 @@ MAX_BLOCKS = 1024           # flag slots per rank; grids use slots below min(SLO
 BARRIER_SLOT = MAX_BLOCKS - 1  # the slot of flag_barrier (copy_engine.py)
 STREAM_SLOT = MAX_BLOCKS - 2   # the slot of barriers made of stream memory operations (copy_engine.py)
 AGREE_SLOT = MAX_BLOCKS - 3    # the slot of the agreement every collective call starts with (kernels/agreement.cuh)
+REPLAY_SLOTS = (MAX_BLOCKS - 5, MAX_BLOCKS - 4)  # the two slots of replayable stream barriers, in turn (copy_engine.py)
 SIGNATURE_BYTES = 2 * MAX_RANKS * 16  # two rows of the peers' signature lines (16 bytes each), after the flags
 STATUS_WORDS = 8               # what a failed agreement reports to the host (agree in kernels/agreement.cuh)
 MISMATCH, PEER_REFUSED, TIMEOUT = 1, 2, 3
