@@ -23,12 +23,14 @@ input into the shared buffer (the peers read only what the copy engines wrote th
 2.9 for the two all-reduces of the course project's layer on 4x H100. Nothing waits on the host, so calls queue back
 to back on a side stream.
 
-Inside a CUDA graph capture the barriers change. A stream memory operation waits for a number fixed when
+Inside a CUDA graph capture the barriers change. A counted stream barrier waits for a number fixed when
 it is queued: a graph's second replay would find the first replay's numbers already there and not wait
 at all (measured: the overlapped layer then differs from the plain one by 20% now and then). So while
-capturing, the barriers are the one-block flag_barrier kernel, whose counts live in GPU memory. (The last
-barrier matters most there: a graph may hold an odd number of calls, and then a replay's first call uses
-the half of the previous replay's last; and a replay may follow eager calls that used its half.)
+capturing, each call's three barriers are replayable ones (StreamBarriers.queue_replayable: write 1, wait
+for 1, reset to 0), in three flag slots, one per barrier of the call -- still no kernel, so a GEMM that
+holds every SM does not delay them. (The last barrier matters most there: a graph may hold an odd number of
+calls, and then a replay's first call uses the half of the previous replay's last; and a replay may follow
+eager calls that used its half.)
 
     ce = CopyEngineComm(mpi_comm, max_bytes=160 << 20)         # collective
     tplab.allreduce(t, ce)      # torch CUDA tensor, on torch's current stream; ``ce`` is a Communicator
@@ -101,16 +103,23 @@ class CopyEngineComm(Communicator):
             return self._pointer(of, offset) + q * block
 
         self._copy_each(stream, lambda q: (slot(r, of=q), x.data.ptr + span(q)[0], span(q)[1] - span(q)[0]))
-        self.stream_barriers.queue(stream, graph_safe=capturing)               # every block has arrived
+        self._barrier(stream, 0, capturing)                                   # every block has arrived
         mine_packs = -(-(span(r)[1] - span(r)[0]) // PACK)
         if mine_packs:
             blocks = max(1, min(self.peers.max_blocks, -(-mine_packs // 512)))
             my_half = self.peers.peer_buffer(r, p * block, "uint8", offset)
             kernel(f"sum_slots<{type_name}>")((blocks,), (512,), (
                 my_half, np.int64(block_packs), np.int32(r), np.int32(p), np.int64(mine_packs)))
-        self.stream_barriers.queue(stream, graph_safe=capturing)               # every block is summed
+        self._barrier(stream, 1, capturing)                                   # every block is summed
         self._copy_each(stream, lambda q: (x.data.ptr + span(q)[0], slot(q, of=q), span(q)[1] - span(q)[0]))
-        self.stream_barriers.queue(stream, graph_safe=capturing)               # everyone has read my half
+        self._barrier(stream, 2, capturing)                                   # everyone has read my half
+
+    def _barrier(self, stream, role: int, capturing: bool) -> None:
+        """The call's barrier number ``role`` (0-2): counted eagerly, replayable in a CUDA graph."""
+        if capturing:
+            self.stream_barriers.queue_replayable(stream, role)
+        else:
+            self.stream_barriers.queue(stream)
 
     def _pointer(self, q: int, offset: int) -> int:
         return self.peers.data_pointer(q) + offset
@@ -190,10 +199,12 @@ class StreamBarriers:
 
     Replayable barriers (``queue_replayable``), for CUDA graphs: a counted barrier's number is fixed when it
     is queued, so a graph's replay would find it reached already. These write 1, wait for 1, then set their
-    own flags back to 0 -- no number to count -- in one of two slots ("roles") that a sequence of barriers
-    takes in turn (0, 1, 0, 1, ...). Why the turns: a peer that has passed barrier k may write barrier k+1's
-    flag here before this rank has reset barrier k's; in the other slot, that write survives. Barrier k+2,
-    in k's slot again, a peer reaches only after this rank's write of k+1, which comes after its reset of k."""
+    own flags back to 0 -- no number to count -- in one of several slots ("roles") that a sequence of
+    barriers takes in turn (0, 1, 0, 1, ... or 0, 1, 2, 0, 1, 2, ...: the same pattern in every call, so
+    that replays keep the turns). Why the turns: a peer that has passed barrier k may write barrier k+1's
+    flag here before this rank has reset barrier k's; in another slot, that write survives. Barrier k's slot
+    comes again at k+2 at the soonest, which a peer reaches only after this rank's write of k+1, which comes
+    after its reset of k."""
 
     def __init__(self, peers: PeerMemory):
         from tplab.gpu_collectives.peer_agreement import MAX_RANKS, REPLAY_SLOTS, STREAM_SLOT
@@ -262,8 +273,8 @@ class StreamBarriers:
         self._batch(stream, self.operations)
 
     def queue_replayable(self, stream, role: int) -> None:
-        """Queue a replayable barrier (class docstring) in slot ``role`` (0 or 1, taken in turn by the caller's
-        sequence of barriers); the flag_barrier kernel where the driver bindings are missing."""
+        """Queue a replayable barrier (class docstring) in slot ``role`` (0, 1 or 2: the caller's sequence of
+        barriers takes them in turn); the flag_barrier kernel where the driver bindings are missing."""
         if self.driver is None:
             with stream:
                 self.peers.queue_barrier()
