@@ -7,38 +7,19 @@ from gputest import require_gpu
 
 require_gpu()
 
-import cupy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from asynctp import BATCH, DEVICE, HIDDEN, P, R, SEQ, SHARD_BYTES, block, whole_input  # noqa: E402
 from mpitest import COMM, agree  # noqa: E402
 
 from tplab.collectives import CollectiveArgumentError  # noqa: E402
-from tplab.comm import nccl_world  # noqa: E402
 from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange  # noqa: E402
-from tplab.models import GPT, GPTConfig  # noqa: E402
-from tplab.models.parallel import ParallelBlock  # noqa: E402
 from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
 
-P, R = COMM.size, COMM.rank
-NCCL = nccl_world()
-torch.cuda.set_device(cupy.cuda.Device().id)
-DEVICE = torch.device("cuda", torch.cuda.current_device())
-SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
-SHARD_BYTES = SEQ // P * BATCH * HIDDEN * 8   # one float64 shard
 EXCHANGES = {"copy engines push": CopyEngineExchange(COMM, SHARD_BYTES),
              "every peer at once": CopyEngineExchange(COMM, SHARD_BYTES, peers_at_once=max(P - 1, 1)),
              "GEMMs write into the peers": CopyEngineExchange(COMM, SHARD_BYTES, pushes="gemm")}
 EXCHANGE = EXCHANGES["copy engines push"]
-
-
-def block(seed=0, dtype=torch.float64, **config):
-    torch.manual_seed(seed)
-    settings = dict(vocab_size=8, n_layer=1, n_head=2 * P, n_embd=HIDDEN, block_size=SEQ) | config
-    return ParallelBlock(GPT(GPTConfig(**settings)).to(dtype).blocks[0], NCCL).to(DEVICE)
-
-
-def whole_input(seed, dtype=torch.float64):
-    return torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("config", [{}, {"n_kv_head": 1, "position": "rope", "mlp": "swiglu", "norm": "rmsnorm",

@@ -1,8 +1,8 @@
 """Async tensor parallelism inside CUDA graphs (CopyEngineExchange: replayable stream barriers, or barrier
-kernels): a captured stack replayed on new inputs equals the plain block's rows (float64 ~1e-12) replay after replay; a graph of one
-gather (an odd number of calls: every replay reuses the same half) replayed back to back, the odd ranks'
-pulls held back, gathers every shard exactly; a capture the exchange cannot take is an error on every rank; a one-rank
-exchange captures too (its side stream joins back)."""
+kernels): a captured stack replayed on new inputs equals the plain blocks' rows (float64 ~1e-12) replay
+after replay; a graph of one gather (an odd number of calls: every replay reuses the same half) replayed
+back to back, the odd ranks' pulls held back, gathers every shard exactly; a capture the exchange cannot
+take is an error on every rank; a one-rank exchange captures too (its side stream joins back)."""
 
 import os
 
@@ -10,37 +10,18 @@ from gputest import require_gpu
 
 require_gpu()
 
-import cupy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from asynctp import DEVICE, P, R, SHARD_BYTES, block, whole_input  # noqa: E402
 from mpitest import COMM, agree  # noqa: E402
 
 from tplab.collectives import CollectiveArgumentError  # noqa: E402
-from tplab.comm import nccl_world  # noqa: E402
 from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange  # noqa: E402
-from tplab.models import GPT, GPTConfig  # noqa: E402
-from tplab.models.parallel import ParallelBlock  # noqa: E402
 from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
 from tplab.overlap.metrics import captured  # noqa: E402
 
-P, R = COMM.size, COMM.rank
-NCCL = nccl_world()
-torch.cuda.set_device(cupy.cuda.Device().id)
-DEVICE = torch.device("cuda", torch.cuda.current_device())
-SEQ, BATCH, HIDDEN = 6 * P, 3, 16 * P
-SHARD_BYTES = SEQ // P * BATCH * HIDDEN * 8   # one float64 shard
 GRAPHED = {"copy engines push": dict(), "every peer at once": dict(peers_at_once=max(P - 1, 1)),
            "GEMMs write into the peers": dict(pushes="gemm"), "barrier kernels": dict(barrier_kernels=True)}
-
-
-def block(seed=0, **config):
-    torch.manual_seed(seed)
-    settings = dict(vocab_size=8, n_layer=1, n_head=2 * P, n_embd=HIDDEN, block_size=SEQ) | config
-    return ParallelBlock(GPT(GPTConfig(**settings)).to(torch.float64).blocks[0], NCCL).to(DEVICE)
-
-
-def whole_input(seed):
-    return torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
 
 
 @pytest.mark.parametrize("variant", list(GRAPHED))

@@ -18,10 +18,10 @@ one-block barrier kernels), so the GEMMs on the other stream keep the GPU.
 
 The result is bitwise identical on every rank (block q is summed once, by rank q). The last barrier lets
 any call follow, queued eagerly or replayed from a CUDA graph: once it is passed, no peer reads this call's
-half any more. (Two halves still alternate between calls.) Pushing the reduce-scatter, not pulling it, spares a copy of the whole
-input into the shared buffer (the peers read only what the copy engines wrote there): 2.4 ms instead of
-2.9 for the two all-reduces of the course project's layer on 4x H100. Nothing waits on the host, so calls queue back
-to back on a side stream.
+half any more. (Two halves still alternate between calls.) Pushing the reduce-scatter, not pulling it,
+spares a copy of the whole input into the shared buffer (the peers read only what the copy engines wrote
+there): 2.4 ms instead of 2.9 for the two all-reduces of the course project's layer on 4x H100. Nothing
+waits on the host, so calls queue back to back on a side stream.
 
 Inside a CUDA graph capture the barriers change. A counted stream barrier waits for a number fixed when
 it is queued: a graph's second replay would find the first replay's numbers already there and not wait
