@@ -3,8 +3,8 @@
 Why: NCCL's all-reduce (and peer_memory.py's kernels) move data with kernels, so they take SMs from the
 GEMMs they are meant to overlap with, and each slows the other (notebook 06: 13-20% hidden on 4x H200).
 A GPU also has copy engines (DMA units that move bytes over NVLink without any SM). Here every byte
-between GPUs goes through them; the SMs only add up one block per rank (and, inside a CUDA graph, run
-one-block barrier kernels), so the GEMMs on the other stream keep the GPU.
+between GPUs goes through them; the SMs only add up one block per rank (the barriers are stream memory
+operations, in a CUDA graph too), so the GEMMs on the other stream keep the GPU.
 
     two-shot with copy engines, rank r of p, its stream S (p-1 side streams copy concurrently);
     slot q = the q-th block of a rank's shared buffer (half j % 2 on call j):

@@ -59,7 +59,8 @@ Rules, each checked by every call's agreement (so that a rank that breaks one ra
 rank captures the same calls; a scatter finished before the next starts; no first scatter inside a capture.
 A capture's agreement runs when it is captured, not at replays. A call on another stream than the last
 one's first waits for that stream (the barriers of two streams must not overtake each other: a counted
-barrier waits for ">= its number"), except inside a capture, where the graph's own order holds. After an
+barrier waits for ">= its number"), except inside a capture, where the graph's own order holds. Replays are
+not calls: replay a graph on the stream the eager calls around it use (or order the streams yourself). After an
 error left a call open (``abandon``), the halves' rule no longer holds: the exchange refuses every later
 call; make a new one.
 """
@@ -110,6 +111,7 @@ class CopyEngineExchange:
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
         self.calls, self._stream = 0, None       # the last call's stream (see _check)
         self.graphed = False                     # a call was captured: from then on every call meets first
+        self._capturing = False                  # the last call was captured
         self.broken = ""                         # set by abandon() when a call was left open
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
 
@@ -138,6 +140,9 @@ class CopyEngineExchange:
         elif capturing and what == "start_scatter" and self.scatter_memory is None:
             problem = ("the first scatter must run eagerly, before any capture: it allocates the shared scatter "
                        "area, which a capture cannot")
+        elif what == "start_gather" and "gather" in self._open and self._open["gather"].captured != capturing:
+            problem = ("the last gather is still open across a CUDA graph capture's edge (its events belong to "
+                       "one side only): call its done() on the side that started it")
         elif what == "start_scatter" and "scatter" in self._open:
             problem = "the last scatter has not finished (its barrier is what makes the next one's pushes safe)"
         self.calls += 1
@@ -148,6 +153,7 @@ class CopyEngineExchange:
             stream.wait_stream(self._stream)     # (this call's barriers after the last call's)
         self._stream = stream
         self.graphed = self.graphed or capturing
+        self._capturing = capturing
         return stream
 
     def _barrier(self, barriers, stream, role: int) -> None:
@@ -179,8 +185,8 @@ class CopyEngineExchange:
         import torch
 
         caller = self._check(shard, "start_gather", out_problem(shard, out, self.size))
-        if "gather" in self._open:
-            self._open.pop("gather").done()                              # (the halves' rule needs it)
+        if "gather" in self._open:                                       # (the halves' rule needs it: this call's
+            self._open.pop("gather").done(caller)                        #  stream waits for the last call's pulls)
         shard = shard.contiguous()
         if out is not None:                                              # an all-gather: every shard lands in out
             out[self.rank].copy_(shard)
@@ -262,6 +268,7 @@ class CopyEngineGather:
         self.order = [exchange.rank, *events]               # mine, then the peers from r+1 on
         self._exchange, self._stream, self._shard, self._landed = exchange, stream, shard, landed
         self._events, self._published = events, published
+        self.captured = exchange._capturing                 # (its events exist inside that capture only)
 
     def shard(self, q: int):
         if q == self._exchange.rank:
@@ -269,10 +276,12 @@ class CopyEngineGather:
         self._stream.wait_event(self._events[q])             # (the caller's stream waits, not the host)
         return self._landed[q]
 
-    def done(self) -> None:
-        for event in self._events.values():                 # (shards nobody asked for: still wait for them)
-            self._stream.wait_event(event)
-        self._stream.wait_event(self._published)            # (one rank: nothing else joins the publisher back,
+    def done(self, stream=None) -> None:
+        """The caller's stream (or ``stream``) waits for every pull, asked for or not."""
+        stream = stream or self._stream
+        for event in self._events.values():
+            stream.wait_event(event)
+        stream.wait_event(self._published)                  # (one rank: nothing else joins the publisher back,
         if self._exchange._open.get("gather") is self:      #  and a capture must end with every stream joined)
             del self._exchange._open["gather"]
 

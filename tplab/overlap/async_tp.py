@@ -33,7 +33,7 @@ lower-right causal mask), so that the output projection's pushes have attention 
 Inference only (no backward), no KV cache: a prefill. The block's weights are used as they are (whatever
 its layers' own ``sequence_parallel`` says). A layer cut into p shards is many launches, and a host that
 queues them more slowly than the GPU runs them leaves the GPU waiting: capture the block into a CUDA graph
-(tplab.overlap.metrics.captured) on an exchange made with ``barrier_kernels=True``, after one eager call.
+(tplab.overlap.metrics.captured) after one eager call, and replay it on the stream the eager calls use.
 """
 
 from __future__ import annotations
