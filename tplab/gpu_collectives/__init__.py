@@ -16,6 +16,7 @@ GPUs share (CUDA IPC over NVLink).
     copy_engine.py      CopyEngineComm: an all-reduce whose bytes move by the copy engines (no SMs)
     copy_engine_exchange.py  CopyEngineExchange: token shards pulled and partial sums pushed by the copy
                         engines, for GEMMs that consume them as they land (tplab.overlap.async_tp)
+    copy_engine_calls.py     its calls' handles: a gather's shards as they land, a scatter's pushes
 
 CuPy is imported only when one of them is made.
 """
