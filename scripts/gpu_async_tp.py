@@ -162,7 +162,7 @@ def main():
                 return model(x)
         return run
 
-    rows = []
+    rows, graphs = [], {}
     with torch.no_grad(), mappings.argument_checks_off():
         want = my_rows(blocks[0](x), r, p)                         # the check: one block, plain, over NCCL
         diffs = []
@@ -190,7 +190,8 @@ def main():
                 for mib, model in by_pieces.items():
                     forwards[f"async_tp_pieces_{mib}MiB"] = lambda m=model: m(x_rows)
             if layers > 1 and args.graphs:
-                forwards |= graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack=my_rows(stack(x), r, p))
+                graphs = graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack=my_rows(stack(x), r, p))
+                forwards |= graphs
             if args.variants:
                 forwards = {k: v for k, v in forwards.items() if k in args.variants.split(",")}
             times = time_forwards(forwards, nccl, iters=args.iters, warmup=args.warmup, cuda=True)
@@ -212,6 +213,8 @@ def main():
             profiled += [(f"async_tp_pieces_{mib}MiB", model) for mib, model in by_pieces.items()]
             for name, model in profiled:
                 profile(name, lambda m=model: m(x_rows), Path(args.out_dir), r)
+            for name in ("compute_graph", "async_tp_graph") if args.graphs else ():
+                profile(name, graphs[name], Path(args.out_dir), r)
     if r == 0:
         software = f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
         df = pd.DataFrame(rows)
