@@ -26,6 +26,7 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     compute_graph, async_tp_graph, plain_nccl_graph   (``--graphs``) compute, async_tp and plain_nccl, each a
                          CUDA graph's replay: the GPU's time with the host's queueing taken out
     async_tp_graph_kernel_barriers  (``--graphs``) async_tp_graph with barrier kernels
+    async_tp_graph_all_peers_at_once  (``--graphs``) async_tp_graph with every peer's copy at once
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -251,8 +252,10 @@ def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack):
     from tplab.overlap.metrics import captured
 
     graphs = {"compute_graph": captured(no_comm(stack)), "plain_nccl_graph": captured(lambda: stack(x))}
-    for name, kernels in [("async_tp_graph", False), ("async_tp_graph_kernel_barriers", True)]:
-        exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), barrier_kernels=kernels)
+    variants = {"async_tp_graph": {}, "async_tp_graph_kernel_barriers": dict(barrier_kernels=True),
+                "async_tp_graph_all_peers_at_once": dict(peers_at_once=WORLD.size - 1)}
+    for name, options in variants.items():
+        exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), **options)
         fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
         fast(x_rows)                                     # eager first: the scatter area is made outside a capture
         graphs[name] = captured(lambda fast=fast: fast(x_rows))
