@@ -27,6 +27,8 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
                          CUDA graph's replay: the GPU's time with the host's queueing taken out
     async_tp_graph_kernel_barriers  (``--graphs``) async_tp_graph with barrier kernels
     async_tp_graph_all_peers_at_once  (``--graphs``) async_tp_graph with every peer's copy at once
+    async_tp_graph_no_meetings  (``--graphs``) async_tp_graph with one barrier a call (graph_meetings=False: the
+                         stack holds an even number of calls)
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -253,7 +255,8 @@ def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack):
 
     graphs = {"compute_graph": captured(no_comm(stack)), "plain_nccl_graph": captured(lambda: stack(x))}
     variants = {"async_tp_graph": {}, "async_tp_graph_kernel_barriers": dict(barrier_kernels=True),
-                "async_tp_graph_all_peers_at_once": dict(peers_at_once=WORLD.size - 1)}
+                "async_tp_graph_all_peers_at_once": dict(peers_at_once=WORLD.size - 1),
+                "async_tp_graph_no_meetings": dict(graph_meetings=False)}
     for name, options in variants.items():
         exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), **options)
         fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])

@@ -21,7 +21,8 @@ from tplab.overlap.async_tp import AsyncTPBlock, my_rows  # noqa: E402
 from tplab.overlap.metrics import captured  # noqa: E402
 
 GRAPHED = {"copy engines push": dict(), "every peer at once": dict(peers_at_once=max(P - 1, 1)),
-           "GEMMs write into the peers": dict(pushes="gemm"), "barrier kernels": dict(barrier_kernels=True)}
+           "GEMMs write into the peers": dict(pushes="gemm"), "barrier kernels": dict(barrier_kernels=True),
+           "one barrier a call (even graphs)": dict(graph_meetings=False)}   # (the stack: 4 gathers, 4 scatters)
 
 
 @pytest.mark.parametrize("variant", list(GRAPHED))

@@ -54,6 +54,9 @@ holds two barriers, the first in slot 0 and the second in slot 1: the turns hold
 eagerly first (the first scatter makes the scatter area, which a capture cannot; compilation and cuBLAS's
 set-up neither). ``barrier_kernels=True``: the one-block flag_barrier kernel instead (its counts live in
 GPU memory, so it replays as it is; it needs a free SM, which a GEMM holding them all makes it wait for).
+``graph_meetings=False``: no meeting first, one barrier per call in the slot of the call's half -- safe only
+for graphs that hold an even number of gathers and of scatters (AsyncTPBlock: two of each per block, so any
+stack), replayed back to back: then the halves' rule holds across replays as it does between eager calls.
 
 Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank): every
 rank captures the same calls; a scatter finished before the next starts; no first scatter inside a capture.
@@ -79,7 +82,8 @@ class CopyEngineExchange:
     """Shards of up to ``max_shard_bytes`` each, through the copy engines (torch CUDA tensors)."""
 
     def __init__(self, mpi_comm, max_shard_bytes: int = 64 << 20, *, pushes: str = "copy_engines",
-                 barrier_kernels: bool = False, piece_bytes: int = 0, peers_at_once: int = 1):
+                 barrier_kernels: bool = False, piece_bytes: int = 0, peers_at_once: int = 1,
+                 graph_meetings: bool = True):
         import cupy
         import torch
 
@@ -111,6 +115,7 @@ class CopyEngineExchange:
         self._open = {}   # the last gather and scatter: the next one may start only once they are over
         self.calls, self._stream = 0, None       # the last call's stream (see _check)
         self.graphed = False                     # a call was captured: from then on every call meets first
+        self.graph_meetings = graph_meetings     # False: graphs of even call counts only (module docstring)
         self._capturing = False                  # the last call was captured
         self.broken = ""                         # set by abandon() when a call was left open
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
@@ -193,12 +198,12 @@ class CopyEngineExchange:
         nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
         self.gathers += 1
         self.publisher.wait_stream(caller)                               # the shard has been computed
-        if self.graphed and self.size > 1:                               # every peer is done with its pulls
+        if self.graphed and self.graph_meetings and self.size > 1:       # every peer is done with its pulls
             self._barrier(self.gather_barriers, self.publisher, 0)
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
               self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
-        self._barrier(self.gather_barriers, self.publisher, 1)           # all shards published
+        self._barrier(self.gather_barriers, self.publisher, 1 if self.graph_meetings else half)  # all published
         published = self.publisher.record_event()
         landed, events = {}, {}
         for i, q in enumerate(self._peers()):                          # r+1 first: the shard needed first
