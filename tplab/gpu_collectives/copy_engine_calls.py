@@ -9,11 +9,11 @@ from tplab.toolkit.arrays import external_stream
 
 
 class CopyEngineGather:
-    def __init__(self, exchange, stream, shard, landed, events, published):
+    def __init__(self, exchange, stream, shard, landed, events, published, captured: bool):
         self.order = [exchange.rank, *events]               # mine, then the peers from r+1 on
         self._exchange, self._stream, self._shard, self._landed = exchange, stream, shard, landed
         self._events, self._published = events, published
-        self.captured = exchange._capturing                 # (its events exist inside that capture only)
+        self.captured = captured                            # (its events exist inside that capture only)
 
     def shard(self, q: int):
         if q == self._exchange.rank:
@@ -58,7 +58,7 @@ class CopyEngineScatter:
         if q == ex.rank:
             return self._slots[q]
         if q not in self._outgoing:
-            if ex.pushes == "gemm" and ex.graphed and ex.graph_meetings and self._met is None:
+            if ex.pushes == "gemm" and ex.meets_first and self._met is None:
                 self._meet(self._stream)            # (the GEMM on the caller's stream writes into rank q's memory)
             self._outgoing[q] = (ex._slots(q, self._half, self._shape, self._dtype)[ex.rank] if ex.pushes == "gemm"
                                  else torch.empty(self._shape, dtype=self._dtype, device=f"cuda:{ex.device}"))
@@ -73,7 +73,7 @@ class CopyEngineScatter:
         partial = self._outgoing[q]
         stream = ex.pushers[len(self._pushed) % len(ex.pushers)]       # in the order the GEMMs wrote them
         stream.wait_stream(self._stream)                               # the GEMM that wrote it
-        if ex.graphed and ex.graph_meetings:
+        if ex.meets_first:
             self._meet(stream)
         target = ex.scatter_memory.data_pointer(q) + (self._half * ex.size + ex.rank) * ex.slot
         _copy(target, partial.data_ptr(), partial.numel() * partial.element_size(), stream, ex.piece)
@@ -85,7 +85,7 @@ class CopyEngineScatter:
         check_all_sent(ex, self._sent)
         for event in self._pushed:
             self._stream.wait_event(event)
-        ex._barrier(ex.scatter_barriers, self._stream, 1 if ex.graph_meetings else self._half)  # all landed
+        ex._closing_barrier(ex.scatter_barriers, self._stream, self._half)   # every push has landed everywhere
         ex._open.pop("scatter", None)
         return self._slots.sum(dim=0)                                   # (bfloat16: summed in float32)
 

@@ -161,6 +161,15 @@ class CopyEngineExchange:
         self._capturing = capturing
         return stream
 
+    @property
+    def meets_first(self) -> bool:
+        """Graphed, with meetings: every call meets its peers before it writes shared memory (module docstring)."""
+        return self.graphed and self.graph_meetings and self.size > 1
+
+    def _closing_barrier(self, barriers, stream, half: int) -> None:
+        """A call's own barrier: in slot 1 after a meeting in slot 0, else in the slot of the call's half."""
+        self._barrier(barriers, stream, 1 if self.graph_meetings else half)
+
     def _barrier(self, barriers, stream, role: int) -> None:
         """A barrier with every peer, queued on ``stream``: the flag_barrier kernel (``barrier_kernels``), a
         replayable stream barrier in slot ``role`` once graphed, else a counted one (module docstring)."""
@@ -198,12 +207,12 @@ class CopyEngineExchange:
         nbytes, half = shard.numel() * shard.element_size(), self.gathers % 2
         self.gathers += 1
         self.publisher.wait_stream(caller)                               # the shard has been computed
-        if self.graphed and self.graph_meetings and self.size > 1:       # every peer is done with its pulls
+        if self.meets_first:                                             # every peer is done with its pulls
             self._barrier(self.gather_barriers, self.publisher, 0)
         _copy(self.gather_memory.data_pointer(self.rank) + half * self.slot, shard.data_ptr(), nbytes,
               self.publisher, self.piece)
         shard.record_stream(self.publisher)                              # (the allocator: still being read)
-        self._barrier(self.gather_barriers, self.publisher, 1 if self.graph_meetings else half)  # all published
+        self._closing_barrier(self.gather_barriers, self.publisher, half)   # all shards published
         published = self.publisher.record_event()
         landed, events = {}, {}
         for i, q in enumerate(self._peers()):                          # r+1 first: the shard needed first
@@ -215,7 +224,7 @@ class CopyEngineExchange:
                   self.piece)
             landed[q].record_stream(stream)
             events[q] = stream.record_event()
-        self._open["gather"] = CopyEngineGather(self, caller, shard, landed, events, published)
+        self._open["gather"] = CopyEngineGather(self, caller, shard, landed, events, published, self._capturing)
         return self._open["gather"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":
