@@ -4,7 +4,11 @@ torch.distributed.all_reduce (NCCL) and tplab's persistent kernel handle, same r
     NCCL_NVLS_ENABLE=0 mpiexec -n 4 python scripts/gpu_api_allreduce.py OUT_DIR [--max-bytes 256M]
 
 Eager, back to back: each path runs ``iters`` calls in a row on torch's current stream, timed by CUDA events
-around the loop (time per call = loop / iters), median of ``reps`` loops, the slowest rank's. Every size
+around the loop (time per call = loop / iters), median of ``reps`` loops, the slowest rank's. Two more
+columns say what bounds that time: ``host_us``, the host's time per call (the loop on a wall clock, without
+waiting for the GPU), and ``gpu_us_host_ahead``, the GPU's own time per call when the host is ahead of it, as
+in a model whose GEMMs take longer than their launches: the same loop queued behind a 10 ms sleep kernel, the
+events around the queued calls only. Every size
 is checked first: each path's result equals NCCL's (integer-valued float32, so sums are exact). "auto" picks
 its kernel by size from timings made first on these GPUs (PeerMemoryComm.tune). Writes
 OUT_DIR/gpu_api_allreduce_<p>x-<card>.csv in nccl-tests' columns plus ``path``; prints the table.
@@ -13,6 +17,7 @@ OUT_DIR/gpu_api_allreduce_<p>x-<card>.csv in nccl-tests' columns plus ``path``; 
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +36,7 @@ from tplab.toolkit.arrays import external_stream  # noqa: E402
 from tplab.toolkit.machine import software  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
+SLEEP_CYCLES = 20_000_000   # about 10 ms at a Hopper GPU's clock: longer than the host takes to queue a loop
 
 
 def size_arg(text):
@@ -38,22 +44,28 @@ def size_arg(text):
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def per_call_us(run, iters, reps):
-    """Median over ``reps`` loops of ``iters`` back-to-back calls, in µs per call; the slowest rank's."""
+def per_call_us(run, iters, reps, host_ahead=False):
+    """Median over ``reps`` loops of ``iters`` back-to-back calls, in µs per call, the slowest rank's: the
+    GPU's time (CUDA events) and the host's (a wall clock around the loop). ``host_ahead``: the loop is
+    queued behind a sleep kernel, so the events time the GPU alone."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         WORLD.Barrier()
+        if host_ahead:
+            torch.cuda._sleep(SLEEP_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         for _ in range(iters):
             run()
+        host.append((time.perf_counter() - began) * 1e6 / iters)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / iters)
-    return max(WORLD.allgather(float(np.median(times))))
+    return max(WORLD.allgather(float(np.median(times)))), max(WORLD.allgather(float(np.median(host))))
 
 
 def main():
@@ -96,14 +108,17 @@ def main():
         wrong = {k: max(WORLD.allgather(v)) for k, v in wrong.items()}
         iters = max(5, min(200, (64 << 20) // size * 5))
         for name, run in paths.items():
-            t = per_call_us(run, iters, args.reps)
+            t, host = per_call_us(run, iters, args.reps)
+            ahead, _ = per_call_us(run, min(iters, 200), args.reps, host_ahead=True)
             algbw = size / t / 1e3
             rows.append(dict(size=size, count=n, type="float", redop="sum", time_us=round(t, 2),
                              algbw=round(algbw, 3), busbw=round(algbw * 2 * (p - 1) / p, 3), wrong=wrong[name],
+                             host_us=round(host, 2), gpu_us_host_ahead=round(ahead, 2),
                              path=name, kernel=comm.peers.choose(size) if name != "torch.distributed" else "nccl",
                              ranks=p, card=card, software=software()))
         if rank == 0:
-            line = "  ".join(f"{r['path']} {r['time_us']:>9.2f}" for r in rows[-3:])
+            line = "  ".join(f"{r['path']} {r['time_us']:>7.2f} (host {r['host_us']:.2f}, GPU {r['gpu_us_host_ahead']:.2f})"
+                             for r in rows[-3:])
             print(f"{size:>11} B  {line}", flush=True)
         size *= 4
     if rank == 0:

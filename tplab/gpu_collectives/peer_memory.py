@@ -144,7 +144,7 @@ class PeerMemory(GpuAgreement):
         self._data, self._flags = data, flags
         self.data_pointers = cupy.asarray(np.array(data, dtype=np.uint64))   # bufs[q] in the kernels
         self.flag_pointers = cupy.asarray(np.array(flags, dtype=np.uint64))  # flags[q]
-        self.programmatic = programmatic_launch_works()       # graphs: the next kernel starts as this one ends
+        self.programmatic = programmatic_launch_works()       # the next kernel starts as this one ends
         self.table = list(TABLE_FOR_RANKS.get(self.size, DEFAULT_TABLE))  # (bytes per rank up to, algorithm)
         self.everyone = np.uint32((1 << self.size) - 1)       # the bit mask of all ranks, for barrier()
         cupy.cuda.Device().synchronize()

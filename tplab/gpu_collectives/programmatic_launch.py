@@ -1,7 +1,8 @@
-"""Programmatic dependent launch (Hopper and later): in a CUDA graph, the GPU schedules the next kernel while
-the one before it finishes, and the new kernel's first instruction waits until the old one's writes are
-visible (kernels/memory_model.cuh's ``after_previous_kernel``). What it saves is the gap between two launches, a
-fraction of a microsecond per call; the driver call that asks for it, cuLaunchKernelEx, goes through ctypes.
+"""Programmatic dependent launch (Hopper and later): the GPU schedules the next kernel of a stream or a CUDA
+graph while the one before it finishes, and the new kernel's first instruction waits until the old one's
+writes are visible (kernels/memory_model.cuh's ``after_previous_kernel``). What it saves is the gap between
+two launches, a fraction of a microsecond per call (0.7 µs of one_shot_ll's 4.2 at 1 KiB on 2x H200 with the
+host ahead); the driver call that asks for it, cuLaunchKernelEx, goes through ctypes.
 
     if works_here(libcuda, probe, device):       # once per process and GPU (PeerMemory does it)
         config = launch_config(blocks, threads)  # per kernel; set config.stream per launch
