@@ -129,6 +129,8 @@ def main():
     by_gemms = nn.Sequential(*[AsyncTPBlock(b, gemm_pushes) for b in blocks])
     idle = NullExchange(r, p)
     still = nn.Sequential(*[AsyncTPBlock(b, idle) for b in blocks])   # (nothing moves)
+    whole = nn.Sequential(*[AsyncTPBlock(b, exchange, attention="whole") for b in blocks])
+    still_whole = nn.Sequential(*[AsyncTPBlock(b, idle, attention="whole") for b in blocks])
     ar = torch.empty_like(x)
 
     def nccl_comm(layers):
@@ -169,7 +171,7 @@ def main():
     with torch.no_grad(), mappings.argument_checks_off():
         want = my_rows(blocks[0](x), r, p)                         # the check: one block, plain, over NCCL
         diffs = []
-        for model in (fast[0], by_all_at_once[0], by_gemms[0], by_kernels[0]):
+        for model in (fast[0], by_all_at_once[0], by_gemms[0], by_kernels[0], whole[0]):
             got = model(x_rows)
             torch.cuda.synchronize()
             diffs.append(((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
@@ -188,12 +190,15 @@ def main():
             forwards["exchange_alone_all_peers_at_once"] = exchange_alone(layers, all_at_once)
             forwards["async_tp_all_peers_at_once"] = lambda m=(by_all_at_once if layers > 1 else by_all_at_once[0]): m(x_rows)
             forwards["async_tp_gemm_pushes"] = lambda m=(by_gemms if layers > 1 else by_gemms[0]): m(x_rows)
+            forwards["async_tp_whole_attention"] = lambda m=(whole if layers > 1 else whole[0]): m(x_rows)
+            forwards["async_no_transfers_whole_attention"] = lambda m=(still_whole if layers > 1 else still_whole[0]): m(x_rows)
             if layers > 1:
                 forwards["async_tp_kernel_barriers"] = lambda: by_kernels(x_rows)
                 for mib, model in by_pieces.items():
                     forwards[f"async_tp_pieces_{mib}MiB"] = lambda m=model: m(x_rows)
             if layers > 1 and args.graphs:
-                graphs = graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack=my_rows(stack(x), r, p))
+                graphs = graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack=my_rows(stack(x), r, p),
+                                          still=still, exchange_alone=exchange_alone)
                 forwards |= graphs
             if args.variants:
                 forwards = {k: v for k, v in forwards.items() if k in args.variants.split(",")}
@@ -212,11 +217,14 @@ def main():
             latency = barrier_latency(exchange)
             if r == 0:
                 print(f"stream-operation barrier: {latency['idle']:.1f} us idle, {latency['busy']:.1f} us next to a GEMM")
-            profiled = [("async_no_transfers", still), ("async_tp", fast)]
-            profiled += [(f"async_tp_pieces_{mib}MiB", model) for mib, model in by_pieces.items()]
-            for name, model in profiled:
-                profile(name, lambda m=model: m(x_rows), Path(args.out_dir), r)
-            for name in ("compute_graph", "async_tp_graph") if args.graphs else ():
+            profiled = [("compute", no_comm(stack))]
+            profiled += [(name, lambda m=model: m(x_rows)) for name, model in
+                         [("async_no_transfers", still), ("async_tp", fast),
+                          ("async_no_transfers_whole_attention", still_whole), ("async_tp_whole_attention", whole)]
+                         + [(f"async_tp_pieces_{mib}MiB", model) for mib, model in by_pieces.items()]]
+            for name, forward in profiled:
+                profile(name, forward, Path(args.out_dir), r)
+            for name in ("compute_graph", "async_no_transfers_graph", "async_tp_graph") if args.graphs else ():
                 profile(name, graphs[name], Path(args.out_dir), r)
     if r == 0:
         software = f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
@@ -245,21 +253,28 @@ def main():
                   f"ms -> hidden {1 - exposed / stack_rows['nccl_comm']:.1%}")
 
 
-def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack):
-    """The stack captured into CUDA graphs (tplab.overlap.metrics.captured): the compute alone, the async
-    layer on exchanges of its own (replayable stream barriers; barrier kernels), and the plain layer over
-    NCCL. A replay queues a whole pass at once, so each is the GPU's time, not the host's. Checks each async
-    graph's output against the plain stack's rows (bf16 rounding)."""
+def graphed_variants(stack, blocks, x, x_rows, no_comm, want_stack, still, exchange_alone):
+    """The stack captured into CUDA graphs (tplab.overlap.metrics.captured): the compute alone, the decomposed
+    layer with nothing moving, the exchange alone (no meetings, on an exchange of its own), the async layer
+    on exchanges of its own (replayable stream barriers; barrier kernels), and the plain layer over NCCL. A
+    replay queues a whole pass at once, so each is the GPU's time, not the host's. Checks each async graph's
+    output against the plain stack's rows (bf16 rounding)."""
     from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange
     from tplab.overlap.metrics import captured
 
-    graphs = {"compute_graph": captured(no_comm(stack)), "plain_nccl_graph": captured(lambda: stack(x))}
+    graphs = {"compute_graph": captured(no_comm(stack)), "plain_nccl_graph": captured(lambda: stack(x)),
+              "async_no_transfers_graph": captured(lambda: still(x_rows))}
+    alone = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), graph_meetings=False)
+    exchange_alone(len(blocks), alone)()                 # eager first: the scatter area is made outside a capture
+    graphs["exchange_alone_graph"] = captured(exchange_alone(len(blocks), alone))
     variants = {"async_tp_graph": {}, "async_tp_graph_kernel_barriers": dict(barrier_kernels=True),
                 "async_tp_graph_all_peers_at_once": dict(peers_at_once=WORLD.size - 1),
-                "async_tp_graph_no_meetings": dict(graph_meetings=False)}
+                "async_tp_graph_no_meetings": dict(graph_meetings=False),
+                "async_tp_graph_whole_attention": dict(graph_meetings=False, attention="whole")}
     for name, options in variants.items():
+        attention = options.pop("attention", "by_query_rows")
         exchange = CopyEngineExchange(WORLD, x_rows.numel() * x_rows.element_size(), **options)
-        fast = nn.Sequential(*[AsyncTPBlock(b, exchange) for b in blocks])
+        fast = nn.Sequential(*[AsyncTPBlock(b, exchange, attention=attention) for b in blocks])
         fast(x_rows)                                     # eager first: the scatter area is made outside a capture
         graphs[name] = captured(lambda fast=fast: fast(x_rows))
         got = graphs[name]().float()
@@ -324,6 +339,13 @@ def summarize(name, path, prof, rank):
           f"{ {sid: round(c / 1e3, 3) for sid, c in copies.items() if c} }")
     for gap, before, after in gaps[:8]:
         print(f"  gap {gap / 1e3:.3f} ms  after {before}  before {after}")
+    by_name = {}   # every stream's kernels of the second pass, by name: what ran, how often, for how long
+    for e in events:
+        if e["cat"] == "kernel" and e["ts"] >= kernels[0]["ts"]:
+            count, total = by_name.get(e["name"][:70], (0, 0.0))
+            by_name[e["name"][:70]] = (count + 1, total + e["dur"])
+    for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:6]:
+        print(f"  {total / 1e3:7.3f} ms in {count:3d} x {kernel}")
 
 
 def host_profile(forwards, rank, top=25):

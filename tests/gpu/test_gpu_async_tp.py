@@ -25,9 +25,10 @@ EXCHANGE = EXCHANGES["copy engines push"]
 @pytest.mark.parametrize("config", [{}, {"n_kv_head": 1, "position": "rope", "mlp": "swiglu", "norm": "rmsnorm",
                                          "bias": False}], ids=["gpt", "llama-like"])
 @pytest.mark.parametrize("pushes", list(EXCHANGES))
-def test_block_on_shards_equals_the_plain_block_call_after_call(config, pushes):
+@pytest.mark.parametrize("attention", ["by_query_rows", "whole"])
+def test_block_on_shards_equals_the_plain_block_call_after_call(config, pushes, attention):
     plain = block(**config)
-    fast = AsyncTPBlock(plain, EXCHANGES[pushes])
+    fast = AsyncTPBlock(plain, EXCHANGES[pushes], attention=attention)
     with torch.no_grad():
         for seed in range(5):   # odd and even calls: both halves of every area, reused
             x = whole_input(seed)
@@ -49,9 +50,12 @@ def test_a_stack_and_bfloat16():
         agree(torch.allclose(got, my_rows(want, R, P), rtol=1e-12, atol=1e-12), "stack of 3")
         low = block(3, dtype=torch.bfloat16)
         x = whole_input(10, torch.bfloat16)
-        want, got = my_rows(low(x), R, P).float(), AsyncTPBlock(low, EXCHANGE)(my_rows(x, R, P)).float()
-        error = ((got - want).abs().max() / want.abs().max()).item()
-    agree(error < 3e-2, f"bf16: relative error {error:.2e}")
+        want = my_rows(low(x), R, P).float()
+        errors = {}
+        for attention in ("by_query_rows", "whole"):
+            got = AsyncTPBlock(low, EXCHANGE, attention=attention)(my_rows(x, R, P)).float()
+            errors[attention] = ((got - want).abs().max() / want.abs().max()).item()
+    agree(max(errors.values()) < 3e-2, f"bf16: relative errors {errors}")
 
 
 @pytest.mark.parametrize("pushes", list(EXCHANGES))

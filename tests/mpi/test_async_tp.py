@@ -52,8 +52,9 @@ def test_block_on_shards_equals_the_plain_block(name, seq_per_rank, batch, causa
     x = whole_input(P * seq_per_rank, b=batch, h=plain.attention.q_proj.in_features)
     with torch.no_grad():
         want = my_rows(plain(x), R, P)
-        got = AsyncTPBlock(plain, EXCHANGE)(my_rows(x, R, P))
-    close(got, want, f"{name}, causal={causal}, {seq_per_rank} positions per rank, batch {batch}")
+        for attention in ("by_query_rows", "whole"):
+            got = AsyncTPBlock(plain, EXCHANGE, attention=attention)(my_rows(x, R, P))
+            close(got, want, f"{name}, causal={causal}, {seq_per_rank} positions per rank, batch {batch}, {attention}")
 
 
 def test_a_stack_of_blocks_and_repeated_calls():
@@ -121,6 +122,8 @@ def test_what_it_does_not_take_is_a_clear_error_on_every_rank():
             (EXCHANGE.start_gather if R == 0 else EXCHANGE.start_scatter)(torch.zeros(2))
     with pytest.raises(ValueError, match="split"):
         AsyncTPBlock(block(), type("Exchange", (), {"size": P + 1, "rank": R})())
+    with pytest.raises(ValueError, match="attention must be"):
+        AsyncTPBlock(block(), EXCHANGE, attention="by_heads")
 
 
 def test_an_error_mid_block_leaves_the_exchange_usable():

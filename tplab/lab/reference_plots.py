@@ -275,10 +275,13 @@ ASYNC_TP_BARS = [  # (variant of scripts/gpu_async_tp.py, label, colour)
     ("plain_nccl", "plain layer, NCCL all-reduces", color_of("torch.distributed")),
     ("sequence_parallel", "sequence parallel, NCCL (no overlap)", "tab:gray"),
     ("async_no_transfers", "async TP, nothing moving", "tab:cyan"),
+    ("async_no_transfers_whole_attention", "async TP, nothing moving, attention whole", "tab:cyan"),
     ("async_tp_all_peers_at_once", "async TP, copies to every peer at once", color_of("copy_engine")),
     ("async_tp", "async TP, copies one peer at a time", color_of("copy_engine")),
+    ("async_tp_whole_attention", "async TP, attention whole", color_of("copy_engine")),
 ]
-HATCHED = {"async_tp_all_peers_at_once"}   # the same algorithm as async_tp, its exchange run another way
+HATCHES = {"async_tp_all_peers_at_once": "//",   # the same algorithm as async_tp, its exchange run another way
+           "async_tp_whole_attention": "..", "async_no_transfers_whole_attention": ".."}   # (attention in one call)
 
 
 def async_tp_layer(rows):
@@ -291,7 +294,7 @@ def async_tp_layer(rows):
     compute, comm = stack["compute"], stack["nccl_comm"]
     bars = [(v, label, colour) for v, label, colour in ASYNC_TP_BARS if v in stack.index]
     for i, (variant, _, colour) in enumerate(bars):
-        hatch = "//" if variant in HATCHED else None
+        hatch = HATCHES.get(variant)
         ax.barh(i, min(stack[variant], compute), color=colour, alpha=0.35, hatch=hatch)  # (the plain compute)
         if stack[variant] > compute:
             ax.barh(i, stack[variant] - compute, left=compute, color=colour, hatch=hatch)  # what it adds

@@ -22,7 +22,13 @@ moves while the GEMM of another shard runs (tplab.comm.shard_exchange moves them
 What is left exposed: a shard's transfer where its GEMM is shorter (the output projection's at p >= 4),
 the reduction of the received partials, and the wait for the slowest rank at each scatter's barrier.
 The attention is cut by query rows (a block of queries sees every key up to its own end: ``attend``'s
-lower-right causal mask), so that the output projection's pushes have attention to hide behind.
+lower-right causal mask), so that the output projection's pushes have attention to hide behind. Or, with
+``attention="whole"``, it is one call over every query, and only the output projection is cut: the pushes
+then hide behind the other rows' output projections alone, but one whole causal attention runs the fused
+kernel that a block of queries cannot use (cuDNN's on a Hopper GPU; a block's lower-right mask goes to
+FlashAttention's: for the reference layer's shapes on an H200 the whole attention takes 0.61 / 0.35 ms at
+p = 2 / 4, the blocks 1.06 / 0.79). On 2 H200s the layer was faster whole (9.59-9.89 ms against 9.84-10.33);
+on 4 GPUs the trade is not yet measured, hence the default.
 
     block = ParallelBlock(...)                       # tplab.models; or any block with norm1, attention
     fast = AsyncTPBlock(block, exchange)             # (ParallelAttention), norm2, mlp (ParallelMLP)
@@ -48,9 +54,11 @@ class AsyncTPBlock(nn.Module):
     """A pre-norm block (x + attention(norm1(x)), then + mlp(norm2(x))) on sequence shards, with its
     all-gathers and reduce-scatters overlapped with its GEMMs shard by shard (module docstring)."""
 
-    def __init__(self, block, exchange):
+    def __init__(self, block, exchange, *, attention: str = "by_query_rows"):
         super().__init__()
-        self.block, self.exchange = block, exchange
+        if attention not in ("by_query_rows", "whole"):
+            raise ValueError(f"AsyncTPBlock: attention must be 'by_query_rows' or 'whole', not {attention!r}")
+        self.block, self.exchange, self.attention = block, exchange, attention
         a, m = block.attention, block.mlp
         if not all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "local_heads")):
             raise TypeError("AsyncTPBlock: the block's attention must be a tplab ParallelAttention")
@@ -95,9 +103,11 @@ class AsyncTPBlock(nn.Module):
         if a.rotary is not None:
             query, key = a.rotary(query, key, first_position=0)
         scatter = self.exchange.start_scatter(x)
+        whole = attend(query, key, value, causal=a.causal) if self.attention == "whole" else None  # (b, n, s, d)
         for q in [*gathered.order[1:], r]:              # the peers' queries first, mine last
             end = (q + 1) * rows if a.causal else s     # (causal: a block of queries sees keys up to its end)
-            out = attend(query[:, :, q * rows:(q + 1) * rows], key[:, :, :end], value[:, :, :end], causal=a.causal)
+            out = (whole[:, :, q * rows:(q + 1) * rows] if whole is not None else
+                   attend(query[:, :, q * rows:(q + 1) * rows], key[:, :, :end], value[:, :, :end], causal=a.causal))
             out = out.permute(2, 0, 1, 3).reshape(rows, b, a.local_heads * d)  # (rows, b, n/p·d)
             if q != r:
                 linear_into(out, a.o_proj.weight, scatter.out_for(q))
