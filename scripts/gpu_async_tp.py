@@ -29,6 +29,12 @@ the slowest rank's median (tplab.overlap.metrics.time_forwards):
     async_tp_graph_all_peers_at_once  (``--graphs``) async_tp_graph with every peer's copy at once
     async_tp_graph_no_meetings  (``--graphs``) async_tp_graph with one barrier a call (graph_meetings=False: the
                          stack holds an even number of calls)
+    async_tp_whole_attention, async_no_transfers_whole_attention  async_tp and async_no_transfers with the
+                         attention in one call, only the output projection cut (AsyncTPBlock(attention="whole"))
+    async_tp_graph_whole_attention  (``--graphs``) async_tp_whole_attention as a graph, without meetings (compare
+                         it with async_tp_graph_no_meetings)
+    async_no_transfers_graph, exchange_alone_graph  (``--graphs``) async_no_transfers and exchange_alone (the
+                         latter on an exchange of its own, without meetings) as graphs: a graph's cost taken apart
 
 and, for the stack, ``hidden_fraction = 1 - (async_tp - compute) / nccl_comm``: the share of NCCL's
 communication time that the async layer does not add to the compute. ``max_rel_diff``: the async layer's
@@ -224,8 +230,9 @@ def main():
                          + [(f"async_tp_pieces_{mib}MiB", model) for mib, model in by_pieces.items()]]
             for name, forward in profiled:
                 profile(name, forward, Path(args.out_dir), r)
-            for name in ("compute_graph", "async_no_transfers_graph", "async_tp_graph") if args.graphs else ():
-                profile(name, graphs[name], Path(args.out_dir), r)
+            for name in ("compute_graph", "async_no_transfers_graph", "async_tp_graph"):
+                if name in graphs:                       # (--graphs, and a stack of more than one layer)
+                    profile(name, graphs[name], Path(args.out_dir), r)
     if r == 0:
         software = f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
         df = pd.DataFrame(rows)

@@ -114,9 +114,9 @@ def test_two_shot_in_rounds(share):
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_back_to_back_launches_see_each_others_writes(graph):
-    """In a CUDA graph the persistent launches start while the kernel before them ends (programmatic
-    dependent launch on Hopper): each must still see what that kernel wrote, and the next must see its
-    result. Calls back to back, no host wait, the input changed and the output read by CuPy's kernels in
+    """Eagerly and in a CUDA graph the persistent launches start while the kernel before them ends
+    (programmatic dependent launch on Hopper): each must still see what that kernel wrote, and the next must
+    see its result. Calls back to back, no host wait, the input changed and the output read by CuPy's kernels in
     between (CuPy's kernels are launched the plain way)."""
     x, values = inputs("float32", 3000)
     algorithms = ["one_shot_ll", "two_shot", "ring", "one_shot", "one_shot_ll", "two_shot", "one_shot_ll"]

@@ -11,8 +11,9 @@ host ahead); the driver call that asks for it, cuLaunchKernelEx, goes through ct
 ``works_here`` asks for everything the launch needs before anyone relies on it: the environment does not
 turn it off (TPLAB_PROGRAMMATIC_LAUNCH=0), a driver of CUDA 12.3 or later (programmatic edges in captured
 graphs), a GPU of compute capability 9.0 or later, kernels compiled for it (``probe``'s PTX version: a kernel
-compiled for an older architecture would lack the wait and read its inputs too early), and a capture of a
-memset followed by two such launches that the driver accepts (the graph is never run).
+compiled for an older architecture would lack the wait and read its inputs too early), a capture of a
+memset followed by two such launches that the driver accepts (the graph is never run), and two such launches
+made eagerly, on a stream of its own and on the legacy default stream.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ def works_here(lib, probe: int, device: int) -> bool:
                 launch(lib, config, probe, ctypes.addressof(no_arguments))
         finally:
             stream.end_capture()
+        for eager_stream in (stream.ptr, 0):   # eagerly too, as every launch is (and on the legacy stream)
+            config.stream = eager_stream
+            launch(lib, config, probe, ctypes.addressof(no_arguments))
+        cupy.cuda.runtime.deviceSynchronize()
     except Exception:  # noqa: BLE001 - any refusal means: launch the plain way
         return False
     return True
