@@ -37,6 +37,7 @@ from tplab.toolkit.machine import software  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 SLEEP_CYCLES = 20_000_000   # about 10 ms at a Hopper GPU's clock: longer than the host takes to queue a loop
+SLEEP_US = SLEEP_CYCLES / 2e3   # (at ~2 GHz)
 
 
 def size_arg(text):
@@ -110,7 +111,7 @@ def main():
         for name, run in paths.items():
             t, host = per_call_us(run, iters, args.reps)
             ahead, queued = per_call_us(run, min(iters, 200), args.reps, host_ahead=True)
-            if queued * min(iters, 200) > 0.8 * SLEEP_CYCLES / 2e3 and rank == 0:  # (µs; ~2 GHz: the sleep in µs)
+            if queued * min(iters, 200) > 0.8 * SLEEP_US and rank == 0:
                 print(f"warning: {name} at {size} B: the host took about as long as the sleep kernel to queue the "
                       f"loop, so gpu_us_host_ahead may include host time", flush=True)
             algbw = size / t / 1e3

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tplab.gpu_collectives.programmatic_launch import launch_config, works_here
+from tplab.gpu_collectives.programmatic_launch import launch_config, launcher, works_here
 
 PACK = 16                   # bytes per vector load/store
 LINE_PACKS = 8              # chunks are whole 128-byte cache lines
@@ -172,15 +172,12 @@ def fast_launcher(function, blocks: int, threads: int, args, *, programmatic: bo
 
     if programmatic and lib is not None:
         config = launch_config(blocks, threads)
-        config_address, launch_ex = ctypes.addressof(config), lib.cuLaunchKernelEx
+        launch_on = launcher(lib, config, handle, params_address)
 
         def launch(source=None, target=None, stream=None):  # (the same, its start overlapping the last kernel's end)
             if source is not None:
                 values[0].value, values[1].value = source, target
-            config.stream = get_stream().ptr if stream is None else stream
-            error = launch_ex(config_address, handle, params_address, None)
-            if error:
-                raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {error}")
+            launch_on(get_stream().ptr if stream is None else stream)
         launch.keep_alive = (values, params, args, config)
         return launch
 

@@ -47,10 +47,22 @@ def launch_config(blocks: int, threads: int) -> _Config:
 
 
 def launch(lib, config: _Config, function: int, params: int) -> None:
-    """cuLaunchKernelEx(config, function, params): ``params`` the address of the kernel's argument pointers."""
-    error = lib.cuLaunchKernelEx(ctypes.addressof(config), function, params, None)
-    if error:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {error}")
+    """cuLaunchKernelEx(config, function, params) on ``config.stream``: ``params`` the address of the kernel's
+    argument pointers."""
+    launcher(lib, config, function, params)(config.stream)
+
+
+def launcher(lib, config: _Config, function: int, params: int):
+    """``launch`` with its arguments bound once: the returned function(stream) sets ``config.stream`` and
+    launches (the addresses are taken here, not per call: this is on every eager call's host path)."""
+    config_address, launch_ex = ctypes.addressof(config), lib.cuLaunchKernelEx
+
+    def launch_on(stream: int) -> None:
+        config.stream = stream
+        error = launch_ex(config_address, function, params, None)
+        if error:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {error}")
+    return launch_on
 
 
 @cache

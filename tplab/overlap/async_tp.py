@@ -28,8 +28,7 @@ then hide behind the other rows' output projections alone, but one whole causal 
 kernel that a block of queries cannot use (cuDNN's on a Hopper GPU; a block's lower-right mask goes to
 FlashAttention's: for the reference layer's shapes on an H100 the whole attention takes 0.69 / 0.42 ms at
 p = 2 / 4, the blocks 1.15 / 0.94, scripts/gpu_attention_blocks.py). On 2 H200s the layer was faster whole
-(9.59-9.89 ms against 9.84-10.33);
-on 4 GPUs the trade is not yet measured, hence the default.
+(9.59-9.89 ms against 9.84-10.33); on 4 GPUs the trade is not yet measured, hence the default.
 
     block = ParallelBlock(...)                       # tplab.models; or any block with norm1, attention
     fast = AsyncTPBlock(block, exchange)             # (ParallelAttention), norm2, mlp (ParallelMLP)
