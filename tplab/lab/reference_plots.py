@@ -274,10 +274,10 @@ ASYNC_TP_BARS = [  # (variant of scripts/gpu_async_tp.py, label, colour)
     ("compute", "compute alone (collectives as no-ops)", "tab:blue"),
     ("plain_nccl", "plain layer, NCCL all-reduces", color_of("torch.distributed")),
     ("sequence_parallel", "sequence parallel, NCCL (no overlap)", "tab:gray"),
-    ("async_no_transfers", "async TP, nothing moving", "tab:cyan"),
+    ("async_no_transfers", "async TP, nothing moving, attention cut", "tab:cyan"),
     ("async_no_transfers_whole_attention", "async TP, nothing moving, attention whole", "tab:cyan"),
     ("async_tp_all_peers_at_once", "async TP, copies to every peer at once", color_of("copy_engine")),
-    ("async_tp", "async TP, copies one peer at a time", color_of("copy_engine")),
+    ("async_tp", "async TP, attention cut, one peer at a time", color_of("copy_engine")),
     ("async_tp_whole_attention", "async TP, attention whole", color_of("copy_engine")),
 ]
 HATCHES = {"async_tp_all_peers_at_once": "//",   # the same algorithm as async_tp, its exchange run another way
@@ -310,9 +310,9 @@ def async_tp_layer(rows):
     lo = min(low[v] for v, _, _ in bars)
     runs = rows["run"].nunique() if "run" in rows else 1
     ax.set(xlim=(lo - 0.6, max(high[v] for v, _, _ in bars) + 0.6),
-           xlabel=f"ms per layer (a stack of {rows.layers.max()}; median of {runs} run(s), whiskers: range; "
-                  f"the axis starts at {lo - 0.6:.1f} ms)",
+           xlabel=f"ms per layer (a stack of {rows.layers.max()}; median of {runs} run(s), whiskers: range)\n"
+                  f"(the axis starts at {lo - 0.6:.1f} ms)",
            title=f"{rows.ranks.iloc[0]}x {rows.card.iloc[0]}: where a layer's time goes")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.18), frameon=False, ncol=2)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.4, -0.24), frameon=False, ncol=2)
     ax.grid(alpha=0.3, axis="x")
     return fig

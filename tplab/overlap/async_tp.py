@@ -10,9 +10,10 @@ moves while the GEMM of another shard runs (tplab.comm.shard_exchange moves them
     attention half, rank r of p (rows of q = the tokens rank q holds between layers):
       QKV of my rows               | shards of r+1, r+2, ... arriving
       QKV of rows r+1, r+2, ...    |   (in that order, each GEMM waiting only for its own shard)
-      attention + out-proj of r+1's queries   -> push partial to r+1
-      attention + out-proj of r+2's queries   -> push partial to r+2   | r+1's partial moving
-      ...      my own queries last             | the last push moving
+      attention of every query (one call; or cut by query rows, below)
+      out-proj of r+1's rows  -> push partial to r+1
+      out-proj of r+2's rows  -> push partial to r+2   | r+1's partial moving
+      ...      my own rows last                 | the last push moving
       my rows = sum of the p partials of my rows   (my own partial starts from the residual and the bias:
                                                     the sum is the block's output, no additions after it)
 
@@ -21,14 +22,14 @@ moves while the GEMM of another shard runs (tplab.comm.shard_exchange moves them
 
 What is left exposed: a shard's transfer where its GEMM is shorter (the output projection's at p >= 4),
 the reduction of the received partials, and the wait for the slowest rank at each scatter's barrier.
-The attention is cut by query rows (a block of queries sees every key up to its own end: ``attend``'s
-lower-right causal mask), so that the output projection's pushes have attention to hide behind. Or, with
-``attention="whole"``, it is one call over every query, and only the output projection is cut: the pushes
-then hide behind the other rows' output projections alone, but one whole causal attention runs the fused
-kernel that a block of queries cannot use (cuDNN's on a Hopper GPU; a block's lower-right mask goes to
-FlashAttention's: for the reference layer's shapes on an H100 the whole attention takes 0.69 / 0.42 ms at
-p = 2 / 4, the blocks 1.15 / 0.94, scripts/gpu_attention_blocks.py). On 2 H200s the layer was faster whole
-(9.59-9.89 ms against 9.84-10.33); on 4 GPUs the trade is not yet measured, hence the default.
+By default the attention is one call over every query, and only the output projection is cut: its pushes
+hide behind the other rows' output projections. With ``attention="by_query_rows"`` the attention is cut too
+(a block of queries sees every key up to its own end: ``attend``'s lower-right causal mask), so that every
+push has a block of attention to hide behind. That cut costs more than it hides on Hopper GPUs: one whole
+causal attention runs the fused kernel that a block of queries cannot use (cuDNN's; a block's lower-right
+mask goes to FlashAttention's). For the reference layer's shapes on an H100 the whole attention takes 0.69 /
+0.42 ms at p = 2 / 4, the blocks 1.15 / 0.94 (scripts/gpu_attention_blocks.py); the layer was faster whole on
+2 H200s (9.59-9.89 ms against 9.84-10.33) and on 4 (4.96-4.99 against 5.30-5.31), hence the default.
 
     block = ParallelBlock(...)                       # tplab.models; or any block with norm1, attention
     fast = AsyncTPBlock(block, exchange)             # (ParallelAttention), norm2, mlp (ParallelMLP)
@@ -54,10 +55,10 @@ class AsyncTPBlock(nn.Module):
     """A pre-norm block (x + attention(norm1(x)), then + mlp(norm2(x))) on sequence shards, with its
     all-gathers and reduce-scatters overlapped with its GEMMs shard by shard (module docstring)."""
 
-    def __init__(self, block, exchange, *, attention: str = "by_query_rows"):
+    def __init__(self, block, exchange, *, attention: str = "whole"):
         super().__init__()
-        if attention not in ("by_query_rows", "whole"):
-            raise ValueError(f"AsyncTPBlock: attention must be 'by_query_rows' or 'whole', not {attention!r}")
+        if attention not in ("whole", "by_query_rows"):
+            raise ValueError(f"AsyncTPBlock: attention must be 'whole' or 'by_query_rows', not {attention!r}")
         self.block, self.exchange, self.attention = block, exchange, attention
         a, m = block.attention, block.mlp
         if not all(hasattr(a, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "local_heads")):
