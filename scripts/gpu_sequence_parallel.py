@@ -21,7 +21,7 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
                   (with head groups: next to the attention) and the streamed K/V scheme
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
-fused kernel that returns the block's log-sum-exp (FlashAttention in bf16) and moves the blocks on a second CUDA
+fused kernel that returns the block's log-sum-exp (cuDNN's in bf16, FlashAttention's for a causal rectangle) and moves the blocks on a second CUDA
 stream. ``--head-groups 1,4,8`` also runs the all-gather scheme with K and V gathered in that many groups of heads
 on a second stream, each group attended as soon as it arrives (tplab.sequence.allgather_kv): the rows' path is
 then ``<path>_g<G>`` (e.g. direct_peer_g4) and ``head_groups`` says G (1: the scheme as it was, one K and one V

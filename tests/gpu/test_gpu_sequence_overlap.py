@@ -1,8 +1,8 @@
-"""Sequence parallelism's overlapped paths on GPUs. attend_with_lse's fused kernels (FlashAttention in bf16, the
-memory-efficient kernel in float32) against the exact computation, causal masks aligned to the lower right;
-ring attention (its transfers on a side stream) and the all-gather of K/V in head groups (its gathers on a side
-stream), over tplab.comm.nccl, streamed K/V and the head groups' gathers through the copy engines
-(CopyEngineExchange), against the unsplit layer on one GPU."""
+"""Sequence parallelism's overlapped paths on GPUs. attend_with_lse's fused kernels (in bf16 cuDNN's, or
+FlashAttention's for a causal rectangle; the memory-efficient kernel in float32) against the exact computation,
+causal masks aligned to the lower right; ring attention (its transfers on a side stream) and the all-gather of K/V
+in head groups (its gathers on a side stream), over tplab.comm.nccl, streamed K/V and the head groups' gathers
+through the copy engines (CopyEngineExchange), against the unsplit layer on one GPU."""
 
 import warnings
 from functools import partial

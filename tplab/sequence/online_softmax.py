@@ -19,7 +19,7 @@ and after the last block out = acc / l is exactly softmax(q Kᵀ) V (up to round
 The same summary, kept normalised, is two quantities: out = acc / l, the attention over the keys seen so
 far, and lse = m + log l, the log-sum-exp of their scores. Attention over one block *alone* is such a
 summary too, and one fused kernel returns it without writing the block's scores to memory
-(``tplab.layers.attend.attend_with_lse``: FlashAttention on a GPU). Two summaries combine as
+(``tplab.layers.attend.attend_with_lse``: cuDNN's or FlashAttention's kernel on a GPU). Two summaries combine as
 
     lse_new = log(exp(lse) + exp(lse_b))                  (logaddexp: no overflow)
     out     = exp(lse - lse_new) · out + exp(lse_b - lse_new) · out_b

@@ -19,7 +19,7 @@ stream, where they would wait for the compute queued before them: so on a GPU th
 second stream (streams.py), the compute stream waiting for a block's arrival only when it needs it.)
 
 Each block's attention is one fused kernel that returns the block's log-sum-exp next to its output
-(``attend_with_lse``: FlashAttention on a GPU); the online softmax merges the (out, lse) pairs, so no
+(``attend_with_lse``: cuDNN's or FlashAttention's kernel on a GPU); the online softmax merges the (out, lse) pairs, so no
 block's (s/p)² scores are written to memory.
 
 Bytes sent per rank: p-1 blocks of 2·b·(s/p)·h_kv·bytes = 2 (p-1)/p · b·s·h_kv·bytes, the same as the
