@@ -36,3 +36,30 @@ def sp_floor(rows, dtype="bfloat16"):
            title="where the layer's time goes: hatched = nothing moved (the compute's floor)")
     ax.grid(alpha=0.3, axis="x")
     return fig
+
+
+def lse_kernel_before_after(rows, dtype="bfloat16"):
+    """The A/B rounds of sequence_parallel_gpu_*_cudnn-lse.csv: for each (scheme, path), the layer's time with
+    attend_with_lse on FlashAttention's kernel (pale) and on cuDNN's (dark), the median of the rounds of each,
+    the scheme's colour; the unsplit layer's time / p as a grey line."""
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & rows.lse_kernel.str.contains("before|patched")]
+    layer = layer.assign(cudnn=layer.lse_kernel.str.startswith("cudnn"))
+    times = layer.groupby(["scheme", "path", "cudnn"]).time_s.median().unstack("cudnn") * 1e3   # ms
+    times = times.sort_values(True)   # (the fastest on top)
+    p = int(layer.p.max())
+    fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.55 * len(times) + 1.4), constrained_layout=True)
+    for y, ((scheme, path), row) in enumerate(times.iterrows()):
+        for offset, cudnn in ((-0.2, False), (0.2, True)):   # (the axis inverted: before above after)
+            ax.barh(y + offset, row[cudnn], height=0.38, color=color_of(scheme), alpha=0.9 if cudnn else 0.35,
+                    hatch="//" if path.startswith("compute_only") else None, edgecolor="0.3")
+            ax.text(row[cudnn], y + offset, f" {row[cudnn]:.2f} ms", va="center", fontsize=8)
+    ideal = float(rows[rows.kind == "unsplit"].time_s.median()) / p * 1e3
+    ax.axvline(ideal, color="0.5", lw=1)
+    ax.text(ideal, -0.75, f" one GPU / {p} = {ideal:.2f} ms", color="0.4", fontsize=8, va="center")
+    ax.set_ylim(-1.1, len(times) - 0.4)
+    ax.set_yticks(range(len(times)), [f"{scheme} / {path}" for scheme, path in times.index], fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; hatched: nothing moved)", xlim=(0, times.max().max() * 1.25),
+           title="the same blocks, another attention kernel\n(pale: attend_with_lse on FlashAttention, dark: on cuDNN)")
+    ax.grid(alpha=0.3, axis="x")
+    return fig
