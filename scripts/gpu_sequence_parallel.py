@@ -21,11 +21,13 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
                   (with head groups: next to the attention) and the streamed K/V scheme
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
-fused kernel that returns the block's log-sum-exp (cuDNN's in bf16, FlashAttention's for a causal rectangle) and moves the blocks on a second CUDA
-stream. ``--head-groups 1,4,8`` also runs the all-gather scheme with K and V gathered in that many groups of heads
-on a second stream, each group attended as soon as it arrives (tplab.sequence.allgather_kv): the rows' path is
-then ``<path>_g<G>`` (e.g. direct_peer_g4) and ``head_groups`` says G (1: the scheme as it was, one K and one V
-gather on the compute stream). Timing: CUDA events around each forward
+fused kernel that returns the block's log-sum-exp (cuDNN's in bf16, FlashAttention's for a causal
+rectangle) and moves the blocks on a second CUDA stream. ``--head-groups 1,4,8`` also runs the all-gather
+scheme with K and V gathered in that many groups of heads on a second stream, each group attended as soon as
+it arrives (tplab.sequence.allgather_kv): the rows' path is then ``<path>_g<G>`` (e.g. direct_peer_g4) and
+``head_groups`` says G (1: the scheme as it was, one K and one V gather on the compute stream).
+``--side-stream`` also runs it with one group's gathers on the second stream, under the Q projection
+(``side_stream=True``; path ``<path>_side``). Timing: CUDA events around each forward
 (they count the time the GPU waits for the host: copies and host MPI), --warmup untimed calls, the median of
 --iters, the slowest rank. The unsplit layer on one GPU is timed in every run (rank 0) as the baseline of
 ``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--components`` adds
@@ -187,7 +189,7 @@ def message_exchange(host):
     return MessageExchange(host)
 
 
-OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups"}, "streamed_kv": {"exchange"}}  # what each takes
+OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups", "side_stream"}, "streamed_kv": {"exchange"}}  # what each takes
 
 
 def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=None):
@@ -288,7 +290,10 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     runs = [("single_gpu", "one GPU, no communication", host, {}, set(args.schemes), True)] if p == 1 else paths
     for base_name, base_transport, comm, base_options, schemes, counted in runs:
         here = [sc for sc in args.schemes if sc in schemes and (mode == "strong" or sc in args.weak_schemes)]
-        for scheme, groups in [(sc, g) for sc in here for g in (args.head_groups if sc == "allgather_kv" else [None])]:
+        variants = [(sc, g, False) for sc in here for g in (args.head_groups if sc == "allgather_kv" else [None])]
+        if args.side_stream and "allgather_kv" in here:
+            variants.append(("allgather_kv", 1, True))
+        for scheme, groups, side in variants:
             if scheme == "ulysses" and args.heads % p:
                 log(f"  skip ulysses: {args.heads} heads over {p} ranks")
                 continue
@@ -301,6 +306,9 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                 if groups > 1:  # a variant of the path: its own name, so that each row's (scheme, path) is unique
                     name = f"{base_name}_g{groups}"
                     transport = f"{base_transport}; K/V in {groups} head groups, overlapped"
+            if side:
+                options["side_stream"] = True
+                name, transport = f"{base_name}_side", f"{base_transport}; the gathers on the side stream, under Q"
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
             layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
                                           check=False, **options)
@@ -388,6 +396,9 @@ def main():
     parser.add_argument("--head-groups", default="1",
                         help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped "
                              "(1: as it was)")
+    parser.add_argument("--side-stream", action="store_true",
+                        help="also the all-gather scheme with one head group's gathers on the side stream, while "
+                             "the layer computes Q (the rows' path gets the suffix _side)")
     parser.add_argument("--eager-merge", action="store_true",
                         help="ring and streamed K/V: each online-softmax merge as eager passes, not the default "
                              "torch.compile'd kernel (the rows' path gets the suffix _eager)")

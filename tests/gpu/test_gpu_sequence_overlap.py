@@ -72,7 +72,11 @@ def test_ring_head_groups_and_streamed_kv_equal_the_unsplit_layer(causal, layout
                                 ("allgather_kv", {"gather": partial(exchange_allgather_first_dim, exchange=EXCHANGE)}),
                                 ("allgather_kv", {"head_groups": 4,
                                                   "gather": partial(exchange_allgather_first_dim,
-                                                                    exchange=SIDE_EXCHANGE)})]:
+                                                                    exchange=SIDE_EXCHANGE)}),
+                                ("allgather_kv", {"side_stream": True,   # (one group, under the Q projection)
+                                                  "gather": partial(exchange_allgather_first_dim,
+                                                                    exchange=SIDE_EXCHANGE)}),
+                                ("allgather_kv", {"side_stream": True})]:
             layer = SequenceParallelBlock(block, NCCL, scheme=scheme, layout=layout, causal=causal, **options)
             for _ in range(3):  # again and again: memory freed on one stream and reused on the other
                 y = layer(shard(x, RANK, P, layout))

@@ -72,9 +72,10 @@ def test_head_groups_give_full_attention_and_its_gradients_with_the_same_bytes(c
         agree(torch.allclose(part.grad, want, **TOL), f"d{name} " + differs(part.grad, want))
 
 
-@pytest.mark.parametrize("head_groups", [1, 2])
+@pytest.mark.parametrize("head_groups, side_stream", [(1, None), (2, None), (1, True)])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_head_groups_through_a_shard_exchange_give_full_attention_and_its_gradients(layout, head_groups):
+def test_head_groups_through_a_shard_exchange_give_full_attention_and_its_gradients(layout, head_groups,
+                                                                                     side_stream):
     """The gather of a shard exchange (on GPUs: the copy engines'), every block landing in place: the same
     attention, the same bytes (counted on the exchange's communicator), gradients through the reduce-scatter."""
     exchange = MessageExchange(C, duplicate=False)  # (on C itself: its counters count the bytes)
@@ -84,7 +85,8 @@ def test_head_groups_through_a_shard_exchange_give_full_attention_and_its_gradie
     full.pow(2).sum().backward()
     parts = [mine(t.detach(), layout).requires_grad_() for t in (q, k, v)]
     C.reset_counters()
-    out = allgather_kv_attention(*parts, C, causal=True, layout=layout, head_groups=head_groups, gather=gather)
+    out = allgather_kv_attention(*parts, C, causal=True, layout=layout, head_groups=head_groups, gather=gather,
+                                 side_stream=side_stream)
     agree(torch.allclose(out, mine(full, layout), **TOL), differs(out, mine(full, layout)))
     b, n, s, d = q.shape
     bytes_formula = attention_bytes("allgather_kv", b, s, n * d, P, kv_hidden=KV_HEADS * d, bytes_per_element=8)

@@ -45,8 +45,8 @@ def exchange_allgather_first_dim(x: torch.Tensor, comm, exchange) -> torch.Tenso
     """(m, ...) on each rank -> (p·m, ...) through ``exchange`` (a shard exchange): every rank's block
     lands in place in one tensor; on a GPU the caller's stream waits for the copies, the host does not.
     Pass it as ``gather=functools.partial(exchange_allgather_first_dim, exchange=...)``. With a
-    CopyEngineExchange every call must come from one stream: the head groups' side stream (head_groups > 1)
-    or the compute stream (head_groups = 1), not both."""
+    CopyEngineExchange every call must come from one stream: the side stream (head_groups > 1, or
+    side_stream=True) or the compute stream, not both."""
     out = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
     exchange.start_gather(x, out=out).done()
     return out.view(comm.size * x.shape[0], *x.shape[1:])

@@ -45,7 +45,7 @@ def attention_scheme(name: str):
 
 class SequenceParallelBlock(nn.Module):
     """``block``: a ``tplab.models.gpt.Block`` (its modules are used, not copied). ``options`` go to the
-    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``; streamed K/V:
+    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``, ``side_stream``; streamed K/V:
     ``exchange``; all: ``check``). K and V are computed before Q: the all-gather and streamed K/V schemes
     start moving them, and compute Q (on a GPU, where the transfers run on other streams or copy engines:
     while they travel)."""
