@@ -42,8 +42,8 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
     """The A/B rounds of sequence_parallel_gpu_*_cudnn-lse.csv: for each (scheme, path), the layer's time with
     attend_with_lse on FlashAttention's kernel (pale) and on cuDNN's (dark), the median of the rounds of each,
     the scheme's colour; the unsplit layer's time / p as a grey line."""
-    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & rows.lse_kernel.str.contains("before|patched")]
-    layer = layer.assign(cudnn=layer.lse_kernel.str.startswith("cudnn"))
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & rows.lse_kernel.isin(["flash", "cudnn"])]
+    layer = layer.assign(cudnn=layer.lse_kernel == "cudnn")
     times = layer.groupby(["scheme", "path", "cudnn"]).time_s.median().unstack("cudnn") * 1e3   # ms
     times = times.sort_values(True)   # (the fastest on top)
     p = int(layer.p.max())
