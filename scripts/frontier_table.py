@@ -1,5 +1,8 @@
 """The headline numbers of scripts/gpu_frontier.sh's run: OUT_DIR/gpu_frontier_<p>x-<card>.csv with columns
 metric, value, unit, anchor, anchor_value, card (the anchor: the best other implementation of the same run);
+the layers' rows too where OUT_DIR holds their runs (``LAYERS=1``): p5 from scripts/gpu_async_tp.py's
+async_tp_gpu_*.csv (medians over the runs it holds), p4 from scripts/gpu_sequence_parallel.py's
+sequence_parallel_gpu_*.csv (bf16, strong scaling, its largest p);
 also prints every size, from CUDA graphs, where another implementation beat tplab's best, and where one whose
 input already lies in shared memory (NCCL's symmetric kernels, torch's symm_mem) beat tplab's kernels on such an
 input (peer_registered: like for like; not in the table, whose tplab rows take any input).
@@ -38,9 +41,9 @@ def main(out: Path) -> None:
     rows = []
 
     def add(metric, unit, mine, anchor):
-        if mine and anchor:
-            rows.append(dict(metric=metric, value=round(mine[1], 3), unit=unit, anchor=anchor[0],
-                             anchor_value=round(anchor[1], 3), card=card))
+        if mine and (anchor or metric.startswith("p5_nccl")):   # (NCCL's comm alone: nothing else may be timed)
+            rows.append(dict(metric=metric, value=round(mine[1], 3), unit=unit, anchor=anchor[0] if anchor else "",
+                             anchor_value=round(anchor[1], 3) if anchor else float("nan"), card=card))
 
     graph = small[small["mode"] == "graph"]
     for kib in (1, 16, 64, 256, 1024, 4096):
@@ -57,6 +60,7 @@ def main(out: Path) -> None:
         big = large[large["size"] == 256 << 20]
         add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
             best(big, set(big.algorithm) - TPLAB - {REGISTERED}, "busbw", lowest=False))
+    layer_rows(out, add)
     behind, behind_registered = [], []   # every size measured: where another beat tplab's best, by how much
     for size, at in graph.groupby("size"):
         for mine, other, where in ((best(at, TPLAB), best(at, set(at.algorithm) - TPLAB - {REGISTERED}), behind),
@@ -73,6 +77,38 @@ def main(out: Path) -> None:
     pd.DataFrame(rows).to_csv(path, index=False)
     print(pd.DataFrame(rows).to_string(index=False))
     print(f"wrote {path}")
+
+
+def layer_rows(out: Path, add) -> None:
+    """p5: the async-TP layer (its attention whole where timed) against the plain layer over NCCL, the plain
+    compute against the same async layer with nothing moving, NCCL's two all-reduces alone against the copy
+    engines' exchange alone; p4: the fastest sequence-parallel path on tplab's wires against NCCL's all-gather,
+    and ring attention's fastest path against the fastest other scheme's."""
+    async_tp = next(out.glob("async_tp_gpu_*x-*.csv"), None)
+    if async_tp is not None:
+        runs = pd.read_csv(async_tp)
+        m = runs[runs.layers == runs.layers.max()].groupby("variant").ms_per_layer.median()
+
+        def at(variant):
+            return (variant, float(m[variant])) if variant in m else None
+        whole = "async_tp_whole_attention" in m
+        add("p5_layer_ms", "ms", at("async_tp_whole_attention" if whole else "async_tp"), at("plain_nccl"))
+        add("p5_compute_ms", "ms", at("compute"),
+            at("async_no_transfers_whole_attention" if whole else "async_no_transfers"))
+        add("p5_nccl_comm_ms", "ms", at("nccl_comm"), at("exchange_alone"))
+    sequence = next(out.glob("sequence_parallel_gpu_*.csv"), None)
+    if sequence is not None:
+        rows = pd.read_csv(sequence)
+        rows = rows[(rows.kind == "layer") & (rows["mode"] == "strong") & (rows.dtype == "bfloat16")]
+        rows = rows[(rows.p == rows.p.max()) & ~rows.path.str.startswith("compute_only")]   # (nothing moved: no path)
+        speedup = rows.assign(name=rows.scheme + " " + rows.path).groupby("name").speedup.median()
+        vendor = speedup.index.str.contains(" direct_nccl| direct_vendor")   # NCCL's own all-gather
+
+        def top(mask):
+            return (speedup[mask].idxmax(), float(speedup[mask].max())) if mask.any() else None
+        ring = speedup.index.str.startswith("ring ")
+        add("p4_bf16_speedup", "x", top(~vendor), top(vendor))
+        add("p4_ring_bf16_speedup", "x", top(ring & ~vendor), top(~ring))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 # calls; then the headline table OUT_DIR/gpu_frontier_<P>x-<card>.csv (scripts/frontier_table.py).
 #
 #   bash scripts/gpu_frontier.sh [OUT_DIR]          # default build/gpu/frontier; P=2 for two GPUs
+#   LAYERS=1 bash scripts/gpu_frontier.sh [OUT_DIR] # also the layers' rows: async TP (p5) and sequence
+#                                                   # parallelism (p4), a few minutes more
 #
 # Needs CuPy (pip install tplab[gpu]), torch with symmetric memory (the symm_mem rows are skipped with the
 # reason otherwise), mpi4py and an mpiexec (scripts/mpi_run.sh).
@@ -13,7 +15,7 @@ REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(realpath -m "${1:-$REPOSITORY/build/gpu/frontier}")
 cd "$REPOSITORY"
 mkdir -p "$OUT"
-rm -f "$OUT/small.csv" "$OUT/large.csv"   # (tplab bench skips the points its CSV has: a rerun measures anew)
+rm -f "$OUT/small.csv" "$OUT/large.csv" "$OUT"/sequence_parallel_gpu_*.csv   # (both append: a rerun measures anew)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (see gpu_tests.sh)
 export PYTHONPATH=$REPOSITORY${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 P=${P:-4}
@@ -29,4 +31,13 @@ bench $small --graph -a nccl_symmetric
 bench $small -a nccl_symmetric
 bench --peer-memory 256M -b 256M -e 256M -n 20 -a peer_ring,peer_two_shot,nccl --csv "$OUT/large.csv"
 timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_api_allreduce.py "$OUT" --max-bytes 4M || echo "FAILED: api"
+if [ "${LAYERS:-0}" = 1 ]; then   # the reference layer in bf16: async TP's layer of a stack of 4, then the course
+  # project's sequence-parallel layer (strong scaling at p = P), each next to its anchors
+  timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_async_tp.py "$OUT" --graphs --iters 15 \
+    --variants compute,async_no_transfers_whole_attention,async_tp_whole_attention,nccl_comm,plain_nccl,exchange_alone,compute_graph,async_tp_graph_whole_attention \
+    || echo "FAILED: async TP"
+  timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_sequence_parallel.py "$OUT" --modes strong \
+    --dtypes bfloat16 --schemes allgather_kv,ring,streamed_kv --paths direct_peer,direct_copy_engine,direct_ring,direct_nccl,compute_only \
+    --side-stream --no-components --iters 20 --warmup 5 || echo "FAILED: sequence parallel"
+fi
 "$PYTHON" scripts/frontier_table.py "$OUT"
