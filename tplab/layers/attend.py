@@ -97,7 +97,7 @@ def _fused_attention_with_lse(q, k, v, causal: bool):
     In bf16/fp16: cuDNN's fused attention where its mask means the same (no mask, or a square causal one:
     cuDNN aligns a causal mask to the upper left), FlashAttention's otherwise (it aligns to the lower right,
     as ``attend``). On Hopper GPUs cuDNN's kernel is the faster: 1.6-1.9x for the sequence-parallel layer's
-    blocks on an H200 (1024 queries x 1024-4096 keys, 40 heads of 128), the same lse to 2e-6."""
+    blocks on an H200 and an H100 (1024 queries x 1024-4096 keys, 40 heads of 128), the same lse to 2e-6."""
     scale = q.shape[-1] ** -0.5
     if q.dtype in (torch.bfloat16, torch.float16):
         if torch.backends.cuda.cudnn_sdp_enabled() and (not causal or q.shape[2] == k.shape[2]):
