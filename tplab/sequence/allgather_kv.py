@@ -34,10 +34,11 @@ Only group 0's gather is exposed, and not even that where there is compute to do
 program order, with no streams.
 ``head_groups=1`` (the default) is the scheme as written above: no side stream, one K and one V gather.
 ``side_stream=True`` puts even one group's gathers on the side stream, so that they travel while the layer
-computes Q. That pays for gathers that take no SM: through the copy engines (``exchange_allgather_first_dim``
+computes Q. It is meant for gathers that take no SM: through the copy engines (``exchange_allgather_first_dim``
 with a ``CopyEngineExchange``) the course project's layer took 0.15-0.2 ms less on 4 H200s (5.09-5.23 ms
-against 5.30-5.37). A gather that is a kernel (the peer-memory all-gather) then competes with the Q
-projection for the SMs, and the layer was 0.1 ms slower.
+against 5.30-5.37, two rounds; the same code varied by up to 0.24 ms between runs there). A gather that
+is a kernel (the peer-memory all-gather) then competes with the Q projection for the SMs, and the layer
+was 0.1 ms slower.
 """
 
 from __future__ import annotations
