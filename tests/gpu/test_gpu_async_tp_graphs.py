@@ -25,11 +25,12 @@ GRAPHED = {"copy engines push": dict(), "every peer at once": dict(peers_at_once
            "one barrier a call (even graphs)": dict(graph_meetings=False)}   # (the stack: 4 gathers, 4 scatters)
 
 
+@pytest.mark.parametrize("attention", ["whole", "by_query_rows"])
 @pytest.mark.parametrize("variant", list(GRAPHED))
-def test_a_captured_stack_replayed_on_new_inputs_equals_the_plain_blocks(variant):
+def test_a_captured_stack_replayed_on_new_inputs_equals_the_plain_blocks(variant, attention):
     exchange = CopyEngineExchange(COMM, SHARD_BYTES, **GRAPHED[variant])
     plain = [block(seed) for seed in range(2)]
-    fast = torch.nn.Sequential(*[AsyncTPBlock(b, exchange) for b in plain])
+    fast = torch.nn.Sequential(*[AsyncTPBlock(b, exchange, attention=attention) for b in plain])
     x = my_rows(whole_input(0), R, P)                  # the graph's input: written in place before each replay
     with torch.no_grad():
         fast(x)                                        # eager first: makes the scatter area, compiles the kernels
@@ -41,7 +42,7 @@ def test_a_captured_stack_replayed_on_new_inputs_equals_the_plain_blocks(variant
             want = my_rows(plain[1](plain[0](whole)), R, P)   # (NCCL, eagerly, between the replays)
             torch.cuda.synchronize()
             agree(torch.allclose(got, want, rtol=1e-12, atol=1e-12),
-                  f"{variant}, replay {seed}: differs by {(got - want).abs().max():.2e}")
+                  f"{variant}, {attention}, replay {seed}: differs by {(got - want).abs().max():.2e}")
         eager = fast(x)                                # eager calls after replays meet first too
         torch.cuda.synchronize()
         agree(torch.allclose(eager, got, rtol=1e-12, atol=1e-12), f"{variant}: an eager pass after the replays")

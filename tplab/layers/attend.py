@@ -94,19 +94,17 @@ def attend_with_lse(q, k, v, *, causal: bool):
 
 def _fused_attention_with_lse(q, k, v, causal: bool):
     """PyTorch's own kernels, called directly because F.scaled_dot_product_attention drops the lse.
-    In bf16/fp16: cuDNN's fused attention where its mask means the same (no mask, or a square causal one:
-    cuDNN aligns a causal mask to the upper left), FlashAttention's otherwise (it aligns to the lower right,
-    as ``attend``). On Hopper GPUs cuDNN's kernel is the faster: 1.6-1.9x for the sequence-parallel layer's
-    blocks on an H200 and an H100 (1024 queries x 1024-4096 keys, 40 heads of 128), the same lse to 2e-6."""
+    In bf16/fp16: cuDNN's fused attention where PyTorch's own checks accept these inputs and its mask means
+    the same (no mask, or a square causal one: cuDNN aligns a causal mask to the upper left),
+    FlashAttention's otherwise (it aligns to the lower right, as ``attend``). On Hopper GPUs cuDNN's kernel
+    is the faster: 1.6-1.9x for the sequence-parallel layer's blocks on an H200 and an H100 (1024 queries x
+    1024-4096 keys, 40 heads of 128), the same lse to 2e-6. ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``
+    (torch.nn.attention) turns cuDNN's off, as for F.scaled_dot_product_attention."""
     scale = q.shape[-1] ** -0.5
     if q.dtype in (torch.bfloat16, torch.float16):
-        if torch.backends.cuda.cudnn_sdp_enabled() and (not causal or q.shape[2] == k.shape[2]):
-            try:
-                out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                    q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-                return out, lse.reshape(lse.shape[:3])  # (b, n, s_q, d), (b, n, s_q, 1) -> (b, n, s_q) float32
-            except RuntimeError:  # (a GPU, head dim or cuDNN without this kernel: FlashAttention's takes it)
-                pass
+        fused = _cudnn_attention_with_lse(q, k, v, causal, scale)
+        if fused is not None:
+            return fused
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse  # (b, n, s_q, d), (b, n, s_q) float32
     # float32: the memory-efficient kernel, on (b, s, n, d) views; mask type 2 = causal, lower right;
@@ -115,6 +113,40 @@ def _fused_attention_with_lse(q, k, v, causal: bool):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0,
         2 if causal else 0, True, scale=scale)[:2]
     return out.transpose(1, 2), lse[..., : q.shape[2]]
+
+
+_CUDNN_USABLE: dict = {}  # (shapes, dtype, causal, device) -> False once cuDNN's kernel failed on them
+_CUDA_FAILURES = (torch.cuda.OutOfMemoryError,) + tuple(
+    e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)  # (not a refusal: raised as they are)
+
+
+def _cudnn_attention_with_lse(q, k, v, causal: bool, scale: float):
+    """(out, lse) from cuDNN's fused attention, or None where it is not to be used: turned off (cuDNN, or its
+    attention: ``torch.backends.cuda.cudnn_sdp_enabled()``), deterministic algorithms asked for, a causal
+    rectangle, a cuDNN before 9.15 (PyTorch itself prefers its attention only from there on Hopper: a fix for
+    sequences not a multiple of 128), inputs PyTorch's checks refuse by size (one key, a head dim not a
+    multiple of 8 or above 256), or the kernel having failed on such inputs once (a warning; not tried
+    again). PyTorch's dispatcher also checks the memory layout; the kernel takes strided views, and the
+    sequence-parallel schemes' views ran exact and fast with it."""
+    if (not torch.backends.cuda.cudnn_sdp_enabled() or not torch.backends.cudnn.enabled
+            or torch.are_deterministic_algorithms_enabled() or (causal and q.shape[2] != k.shape[2])
+            or (torch.backends.cudnn.version() or 0) <= 91500):
+        return None
+    d = q.shape[-1]
+    key = (q.shape, k.shape, q.dtype, causal, q.device)
+    if k.shape[2] == 1 or d % 8 or d > 256 or not _CUDNN_USABLE.get(key, True):
+        return None
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    except _CUDA_FAILURES:
+        raise
+    except (RuntimeError, TypeError, ValueError) as e:
+        _CUDNN_USABLE[key] = False
+        warnings.warn(f"attend_with_lse: cuDNN's attention failed on {tuple(q.shape)} {q.dtype} ({e}); "
+                      "FlashAttention's kernel from now on", RuntimeWarning, stacklevel=4)
+        return None
+    return out, lse.reshape(lse.shape[:3])  # (b, n, s_q, d), (b, n, s_q, 1) -> (b, n, s_q) float32
 
 
 def _exact_attention_with_lse(q, k, v, causal: bool):
