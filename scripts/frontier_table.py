@@ -35,9 +35,9 @@ def main(out: Path) -> None:
     small = pd.read_csv(out / "small.csv")
     large = pd.read_csv(out / "large.csv") if (out / "large.csv").exists() else None  # (a run cut short)
     card = str(small.machine.iloc[0])  # (tplab bench --machine: the card's name)
-    api = next(out.glob("gpu_api_allreduce_*x-*.csv"), None)
-    api = pd.read_csv(api) if api else None
     p = int(small.ranks.iloc[0])
+    api = next(out.glob(f"gpu_api_allreduce_{p}x-*.csv"), None)   # (this run's rank count: not another's)
+    api = pd.read_csv(api) if api else None
     rows = []
 
     def add(metric, unit, mine, anchor):
@@ -60,7 +60,7 @@ def main(out: Path) -> None:
         big = large[large["size"] == 256 << 20]
         add("p1_busbw_256MiB", "GB/s", best(big, TPLAB, "busbw", lowest=False),
             best(big, set(big.algorithm) - TPLAB - {REGISTERED}, "busbw", lowest=False))
-    layer_rows(out, add)
+    layer_rows(out, p, add)
     behind, behind_registered = [], []   # every size measured: where another beat tplab's best, by how much
     for size, at in graph.groupby("size"):
         for mine, other, where in ((best(at, TPLAB), best(at, set(at.algorithm) - TPLAB - {REGISTERED}), behind),
@@ -79,20 +79,26 @@ def main(out: Path) -> None:
     print(f"wrote {path}")
 
 
-def layer_rows(out: Path, add) -> None:
-    """p5: the async-TP layer (its attention whole where timed) against the plain layer over NCCL, the plain
-    compute against the same async layer with nothing moving, NCCL's two all-reduces alone against the copy
-    engines' exchange alone; p4: the fastest sequence-parallel path on tplab's wires against NCCL's all-gather,
-    and ring attention's fastest path against the fastest other scheme's."""
-    async_tp = next(out.glob("async_tp_gpu_*x-*.csv"), None)
+def layer_rows(out: Path, p: int, add) -> None:
+    """p5: the async-TP layer (its attention whole where timed) against the plain layer over NCCL; then two
+    yardsticks, each next to tplab's counterpart as its anchor: the plain layer's compute (anchor: the async
+    layer with nothing moving) and NCCL's two all-reduces alone (anchor: the copy engines' exchange alone).
+    p4: the fastest sequence-parallel path on tplab's wires against the fastest on a library's collective
+    (NCCL's all-gather, MPI's), and ring attention's fastest path against every other path. Only files of
+    this run's rank count; a file holding several runs: the median over the runs that timed the layer."""
+    async_tp = next(out.glob(f"async_tp_gpu_{p}x-*.csv"), None)
     if async_tp is not None:
         runs = pd.read_csv(async_tp)
+        layer = "async_tp_whole_attention" if "async_tp_whole_attention" in set(runs.variant) else "async_tp"
+        if "run" in runs:   # (runs of other variants, older code: left out)
+            runs = runs[runs.run.isin(runs[runs.variant == layer].run)]
         m = runs[runs.layers == runs.layers.max()].groupby("variant").ms_per_layer.median()
 
         def at(variant):
             return (variant, float(m[variant])) if variant in m else None
-        whole = "async_tp_whole_attention" in m
-        add("p5_layer_ms", "ms", at("async_tp_whole_attention" if whole else "async_tp"), at("plain_nccl"))
+        whole = layer == "async_tp_whole_attention"
+        print(f"p5_layer_ms: {layer}, the median of {runs['run'].nunique() if 'run' in runs else 1} run(s)")
+        add("p5_layer_ms", "ms", at(layer), at("plain_nccl"))
         add("p5_compute_ms", "ms", at("compute"),
             at("async_no_transfers_whole_attention" if whole else "async_no_transfers"))
         add("p5_nccl_comm_ms", "ms", at("nccl_comm"), at("exchange_alone"))
@@ -100,9 +106,9 @@ def layer_rows(out: Path, add) -> None:
     if sequence is not None:
         rows = pd.read_csv(sequence)
         rows = rows[(rows.kind == "layer") & (rows["mode"] == "strong") & (rows.dtype == "bfloat16")]
-        rows = rows[(rows.p == rows.p.max()) & ~rows.path.str.startswith("compute_only")]   # (nothing moved: no path)
-        speedup = rows.assign(name=rows.scheme + " " + rows.path).groupby("name").speedup.median()
-        vendor = speedup.index.str.contains(" direct_nccl| direct_vendor")   # NCCL's own all-gather
+        rows = rows[(rows.p == p) & ~rows.path.str.startswith("compute_only")]   # (nothing moved: not a path)
+        speedup = rows.assign(name=rows.scheme + " " + rows.path).groupby("name").speedup.median().dropna()
+        vendor = speedup.index.str.contains(" direct_nccl| direct_vendor| staged_mpi")   # a library's all-gather
 
         def top(mask):
             return (speedup[mask].idxmax(), float(speedup[mask].max())) if mask.any() else None

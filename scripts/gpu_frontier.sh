@@ -15,7 +15,8 @@ REPOSITORY=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(realpath -m "${1:-$REPOSITORY/build/gpu/frontier}")
 cd "$REPOSITORY"
 mkdir -p "$OUT"
-rm -f "$OUT/small.csv" "$OUT/large.csv" "$OUT"/sequence_parallel_gpu_*.csv   # (both append: a rerun measures anew)
+rm -f "$OUT/small.csv" "$OUT/large.csv"   # (tplab bench skips the points its CSV has: a rerun measures anew)
+rm -f "$OUT"/sequence_parallel_gpu_*.csv "$OUT"/async_tp_gpu_*.csv   # (the layers' rows: this run's or none)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # (see gpu_tests.sh)
 export PYTHONPATH=$REPOSITORY${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 P=${P:-4}

@@ -169,7 +169,8 @@ def peer_gather(peers):
 
 def copy_engine_gather(main, side):
     """The all-gather K/V scheme's ``gather`` through the copy engines: ``main`` on the compute stream (one head
-    group), ``side`` on the head groups' side stream (a CopyEngineExchange serves one stream)."""
+    group), ``side`` on the side stream (head groups, or side_stream=True; a CopyEngineExchange serves one
+    stream)."""
     def gather(x, comm):
         on_side = torch.cuda.current_stream() != torch.cuda.default_stream()
         return exchange_allgather_first_dim(x, comm, side if on_side else main)

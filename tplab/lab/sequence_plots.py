@@ -1,6 +1,8 @@
 """Figures of notebook 05's reference section that reference_plots.py (its other figures) has no room for:
 
     sp_floor(rows, dtype)     05: the layer on p GPUs per scheme and path, next to its compute with nothing moved
+    lse_kernel_before_after(rows, dtype)   05: the same layer with its blocks on FlashAttention's kernel and
+                              on cuDNN's (sequence_parallel_gpu_*_cudnn-lse.csv)
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
             ax.barh(y + offset, row[cudnn], height=0.38, color=color_of(scheme), alpha=0.9 if cudnn else 0.35,
                     hatch="//" if path.startswith("compute_only") else None, edgecolor="0.3")
             ax.text(row[cudnn], y + offset, f" {row[cudnn]:.2f} ms", va="center", fontsize=8)
-    ideal = float(rows[rows.kind == "unsplit"].time_s.median()) / p * 1e3
+    unsplit = rows[(rows.kind == "unsplit") & (rows.dtype == dtype) & rows.lse_kernel.isin(["flash", "cudnn"])]
+    ideal = float(unsplit.time_s.median()) / p * 1e3
     ax.axvline(ideal, color="0.5", lw=1)
     ax.text(ideal, -0.75, f" one GPU / {p} = {ideal:.2f} ms", color="0.4", fontsize=8, va="center")
     ax.set_ylim(-1.1, len(times) - 0.4)
