@@ -302,6 +302,8 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
             name, transport = base_name, base_transport
             if args.eager_merge and args.device == "cuda" and scheme in ("ring", "streamed_kv"):
                 name, transport = f"{name}_eager", f"{transport}; each merge as eager passes"
+            if args.flash_blocks and args.device == "cuda" and scheme in ("ring", "streamed_kv"):
+                name, transport = f"{name}_flash", f"{transport}; every block on FlashAttention's kernel"
             if groups is not None:
                 options["head_groups"] = groups
                 if groups > 1:  # a variant of the path: its own name, so that each row's (scheme, path) is unique
@@ -400,6 +402,9 @@ def main():
     parser.add_argument("--side-stream", action="store_true",
                         help="also the all-gather scheme with one head group's gathers on the side stream, while "
                              "the layer computes Q (the rows' path gets the suffix _side)")
+    parser.add_argument("--flash-blocks", action="store_true",
+                        help="ring and streamed K/V: every block's attention on FlashAttention's kernel, not cuDNN's "
+                             "(tplab.layers.attend.cudnn_with_lse = False; the rows' path gets the suffix _flash)")
     parser.add_argument("--eager-merge", action="store_true",
                         help="ring and streamed K/V: each online-softmax merge as eager passes, not the default "
                              "torch.compile'd kernel (the rows' path gets the suffix _eager)")
@@ -416,6 +421,7 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
     OnlineSoftmax.compiled_merge = not args.eager_merge
+    sys.modules["tplab.layers.attend"].cudnn_with_lse = not args.flash_blocks   # (the package exports attend())
     args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
     args.head_groups = [int(g) for g in args.head_groups.split(",")]
     if any(g < 1 or args.heads % g for g in args.head_groups):  # (the layer has as many K/V heads as heads)

@@ -115,20 +115,21 @@ def _fused_attention_with_lse(q, k, v, causal: bool):
     return out.transpose(1, 2), lse[..., : q.shape[2]]
 
 
+cudnn_with_lse = True   # False: FlashAttention's kernel for every bf16/fp16 block (how tplab ran them before)
 _CUDNN_USABLE: dict = {}  # (shapes, dtype, causal, device) -> False once cuDNN's kernel failed on them
 _CUDA_FAILURES = (torch.cuda.OutOfMemoryError,) + tuple(
     e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)  # (not a refusal: raised as they are)
 
 
 def _cudnn_attention_with_lse(q, k, v, causal: bool, scale: float):
-    """(out, lse) from cuDNN's fused attention, or None where it is not to be used: turned off (cuDNN, or its
-    attention: ``torch.backends.cuda.cudnn_sdp_enabled()``), deterministic algorithms asked for, a causal
+    """(out, lse) from cuDNN's fused attention, or None where it is not to be used: turned off (cuDNN, its
+    attention: ``torch.backends.cuda.cudnn_sdp_enabled()``, or here: ``cudnn_with_lse``), deterministic algorithms asked for, a causal
     rectangle, a cuDNN before 9.15 (PyTorch itself prefers its attention only from there on Hopper: a fix for
     sequences not a multiple of 128), inputs PyTorch's checks refuse by size (one key, a head dim not a
     multiple of 8 or above 256), or the kernel having failed on such inputs once (a warning; not tried
     again). PyTorch's dispatcher also checks the memory layout; the kernel takes strided views, and the
     sequence-parallel schemes' views ran exact and fast with it."""
-    if (not torch.backends.cuda.cudnn_sdp_enabled() or not torch.backends.cudnn.enabled
+    if (not cudnn_with_lse or not torch.backends.cuda.cudnn_sdp_enabled() or not torch.backends.cudnn.enabled
             or torch.are_deterministic_algorithms_enabled() or (causal and q.shape[2] != k.shape[2])
             or (torch.backends.cudnn.version() or 0) <= 91500):
         return None
