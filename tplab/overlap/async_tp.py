@@ -29,7 +29,7 @@ push has a block of attention to hide behind. That cut costs more than it hides 
 causal attention runs the fused kernel that a block of queries cannot use (cuDNN's; a block's lower-right
 mask goes to FlashAttention's). For the reference layer's shapes on an H100 the whole attention takes 0.69 /
 0.42 ms at p = 2 / 4, the blocks 1.15 / 0.94 (scripts/gpu_attention_blocks.py); the layer was faster whole on
-2 H200s (9.59-9.89 ms against 9.84-10.33) and on 4 (4.96-4.99 against 5.30-5.31), hence the default.
+2 H200s (9.59-9.89 ms against 9.84-10.33) and on 4 (4.96-5.03 against 5.29-5.33), hence the default.
 
     block = ParallelBlock(...)                       # tplab.models; or any block with norm1, attention
     fast = AsyncTPBlock(block, exchange)             # (ParallelAttention), norm2, mlp (ParallelMLP)
