@@ -13,6 +13,7 @@ whole call's rows, and the kernels it ran. Writes OUT_DIR/gpu_attention_blocks_<
 """
 
 import argparse
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tplab.layers.attend import attend
+from tplab.toolkit.timing import time_calls
 
 
 def main():
@@ -89,18 +91,7 @@ def split(q, k, v, p, rows, merge_dtype):
 
 
 def median_ms(run, reps=20):
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[reps // 2]
+    return statistics.median(time_calls(run, iters=reps, warmup=3, cuda=True)) * 1e3   # (CUDA events)
 
 
 def kernel_names(run):

@@ -13,26 +13,18 @@ OUT_DIR/gpu_attention_lse_<card>.csv and prints it.
 
 import argparse
 import re
+import statistics
 from pathlib import Path
 
 import pandas as pd
 import torch
 from torch.nn import functional as F
 
+from tplab.toolkit.timing import time_calls
+
 
 def median_ms(fn, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(time_calls(fn, iters=iters, warmup=warmup, cuda=True)) * 1e3   # (CUDA events)
 
 
 def main():

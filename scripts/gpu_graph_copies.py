@@ -23,6 +23,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from tplab.toolkit.timing import time_once
+
 NB = 64 << 20
 STEPS = 8
 
@@ -107,17 +109,8 @@ def main():
 
 
 def timed(go, stream, reps):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record()
-            go()
-            end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    with torch.cuda.stream(stream):   # (CUDA events on this stream, after the GPU's queued work is done)
+        return [time_once(go, cuda=True) * 1e3 for _ in range(reps)]
 
 
 def streams_used(go, stream):

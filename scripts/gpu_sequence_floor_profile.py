@@ -5,12 +5,13 @@ all-gather K/V and streamed K/V schemes' compute alone), under torch.profiler.
     python scripts/gpu_sequence_floor_profile.py [--p 4 --batch 4 --seq 4096 --hidden 5120 --heads 40]
     python scripts/gpu_sequence_floor_profile.py --device cpu     # a dry run, tiny, no kernel times
 
-Per layer: its median ms (CUDA events, 20 calls after 5), and the GPU time of each kernel a call (3 profiled
+Per layer: its median ms (CUDA events, 20 calls after 5; on the CPU the host's clock), and the GPU time of each kernel a call (3 profiled
 calls), times p for the split layer: what the p ranks spend in all, next to the one GPU's. The split layer
 runs on a stand-in communicator (rank 0 of p); no other process is needed.
 """
 
 import argparse
+import statistics
 from functools import partial
 
 import torch
@@ -20,6 +21,7 @@ from tplab.comm.shard_exchange import NullExchange
 from tplab.sequence import SequenceParallelBlock, exchange_allgather_first_dim, shard
 from tplab.sequence.layer import unsplit_layer
 from tplab.sequence.scaling import make_block, make_input
+from tplab.toolkit.timing import time_calls
 
 
 class RankZero:
@@ -29,20 +31,7 @@ class RankZero:
 
 
 def median_ms(fn, cuda, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    if not cuda:
-        return float("nan")
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(time_calls(fn, iters=iters, warmup=warmup, cuda=cuda)) * 1e3   # (CPU: perf_counter)
 
 
 def main():

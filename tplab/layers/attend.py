@@ -94,8 +94,8 @@ def attend_with_lse(q, k, v, *, causal: bool):
 
 def _fused_attention_with_lse(q, k, v, causal: bool):
     """PyTorch's own kernels, called directly because F.scaled_dot_product_attention drops the lse.
-    In bf16/fp16: cuDNN's fused attention where PyTorch's own checks accept these inputs and its mask means
-    the same (no mask, or a square causal one: cuDNN aligns a causal mask to the upper left),
+    In bf16/fp16: cuDNN's fused attention where its settings and sizes allow (``_cudnn_attention_with_lse``)
+    and its mask means the same (no mask, or a square causal one: cuDNN aligns a causal mask to the upper left),
     FlashAttention's otherwise (it aligns to the lower right, as ``attend``). On Hopper GPUs cuDNN's kernel
     is the faster: 1.6-1.9x for the sequence-parallel layer's blocks on an H200 and an H100 (1024 queries x
     1024-4096 keys, 40 heads of 128), the same lse to 2e-6. ``sdpa_kernel([SDPBackend.FLASH_ATTENTION])``
@@ -123,11 +123,11 @@ _CUDA_FAILURES = (torch.cuda.OutOfMemoryError,) + tuple(
 
 def _cudnn_attention_with_lse(q, k, v, causal: bool, scale: float):
     """(out, lse) from cuDNN's fused attention, or None where it is not to be used: turned off (cuDNN, its
-    attention: ``torch.backends.cuda.cudnn_sdp_enabled()``, or here: ``cudnn_with_lse``), deterministic algorithms asked for, a causal
-    rectangle, a cuDNN before 9.15 (PyTorch itself prefers its attention only from there on Hopper: a fix for
-    sequences not a multiple of 128), inputs PyTorch's checks refuse by size (one key, a head dim not a
-    multiple of 8 or above 256), or the kernel having failed on such inputs once (a warning; not tried
-    again). PyTorch's dispatcher also checks the memory layout; the kernel takes strided views, and the
+    attention: ``torch.backends.cuda.cudnn_sdp_enabled()``, or here: ``cudnn_with_lse``), deterministic
+    algorithms asked for, a causal rectangle, a cuDNN before 9.15 (PyTorch itself prefers its attention only from
+    there on Hopper: a fix for sequences not a multiple of 128), inputs PyTorch's checks refuse by size (one key,
+    a head dim not a multiple of 8 or above 256), or the kernel having failed on such inputs once (a warning; not
+    tried again). PyTorch's dispatcher also checks the memory layout; the kernel takes strided views, and the
     sequence-parallel schemes' views ran exact and fast with it."""
     if (not cudnn_with_lse or not torch.backends.cuda.cudnn_sdp_enabled() or not torch.backends.cudnn.enabled
             or torch.are_deterministic_algorithms_enabled() or (causal and q.shape[2] != k.shape[2])
