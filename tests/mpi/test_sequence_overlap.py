@@ -190,6 +190,13 @@ def test_bad_head_groups_is_the_same_value_error_on_every_rank(head_groups):
     agree(issubclass(SequenceParallelError, ValueError))
 
 
+@pytest.mark.parametrize("side_stream", ["yes", 1.0, 0])
+def test_a_side_stream_that_is_not_true_false_or_none_is_the_same_value_error_on_every_rank(side_stream):
+    q, k, v = (mine(t, "contiguous") for t in qkv(seed=4))
+    with pytest.raises(ValueError, match=f"side_stream={side_stream!r}: True, False or None"):
+        allgather_kv_attention(q, k, v, C, side_stream=side_stream)
+
+
 def test_the_online_softmax_of_blocks_in_any_order_is_full_attention():
     """The teaching object on its own (no ranks): the keys in three blocks, folded in two orders."""
     q, k, v = qkv(seed=6, kv_heads=8)

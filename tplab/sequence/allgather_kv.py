@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from tplab.layers.attend import attend
-from tplab.sequence.checks import check_attention_inputs, check_head_groups
+from tplab.sequence.checks import SequenceParallelError, check_attention_inputs, check_head_groups
 from tplab.sequence.gather import gather_sequence
 from tplab.sequence.layout import chunk_length, my_chunks, to_global_order
 from tplab.sequence.streams import SideStream
@@ -116,6 +116,9 @@ def start_kv_gathers(k, v, comm, *, queries, layout: str = "contiguous", head_gr
     (the layer computes it while K and V travel): with ``check``, the shapes are agreed on first.
     ``side_stream``: the gathers on the side stream (None: only for more than one head group)."""
     check_head_groups(head_groups, k.shape[1])
+    if not (side_stream is None or isinstance(side_stream, bool)):   # (the same on every rank: the same options)
+        raise SequenceParallelError(f"side_stream={side_stream!r}: True, False or None (a side stream only for "
+                                    "more than one head group)")
     if check:
         check_attention_inputs(queries, k, v, comm, layout)
     return KVGathers(k, v, comm, layout=layout, head_groups=head_groups, algorithm=algorithm, gather=gather,
