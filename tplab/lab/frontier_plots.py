@@ -2,7 +2,7 @@
 together, two_shot agreeing in its first barrier, and what the links carry at most next to what the large all-reduces get. Same conventions as
 ``reference_plots`` (one question per figure, the algorithms in their ``color_of`` colours).
 
-    waiting_together(parts)              one_shot_ll before and after, two A/B runs on 4 GPUs, and its floor
+    waiting_together(parts[, runs])      one_shot_ll before and after, A/B runs on 4 GPUs, and its floor
     first_barrier_agrees(ab, frontier)   two_shot agreeing first against agreeing in its first barrier, and torch's
     link_ceiling(ceiling, allreduces)    GB/s out of each GPU: the wire alone, and three all-reduces' bus bandwidth
 """
@@ -24,6 +24,12 @@ RUNS = (
         ("agreement and first lines in the same trips", "everything in the same trips", "--"),
         ("and block 0 reads the outcomes itself", "and no thread-0 verdict step", "-"))),
 )
+# a later A/B (one panel): the blocks other than 0 waiting for block 0's verdict, or reading the signatures
+BLOCKS_ALONE = (
+    ("2026-11-27 A/B", "A/B: who reads the agreement", (
+        ("before (", "the other blocks wait for block 0's verdict", "--"),
+        ("after (", "every block reads the signatures itself", "-"))),
+)
 SIZES = (1 << 10, 16 << 10, 64 << 10, 256 << 10)
 
 
@@ -31,14 +37,17 @@ def _median_by_size(rows):
     return rows.groupby("size").graph_us.median()
 
 
-def waiting_together(parts):
+def waiting_together(parts, runs=RUNS):
     """one_shot_ll on 4 GPUs from CUDA graphs, per call, the median over interleaved rounds of one run per
-    panel (each panel its own scale): waiting for the agreement and then the data, against everything in
-    the same trips (left), and against block 0 deciding without thread 0's verdict step (right). Teal: with
-    the agreement; grey: the same kernel with no agreement at all (the ranks agreed beforehand)."""
-    fig, axes = plt.subplots(1, 2, figsize=(min(11.0, MAX_WIDTH), 4.2), constrained_layout=True)
+    panel (each panel its own scale). ``RUNS``: waiting for the agreement and then the data, against everything
+    in the same trips (left), and against block 0 deciding without thread 0's verdict step (right);
+    ``BLOCKS_ALONE``: the other blocks waiting for block 0's verdict, against every block reading the peers'
+    signatures itself. Teal: with the agreement; grey: the same kernel with no agreement at all (the ranks
+    agreed beforehand)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(min(5.5 * len(runs), MAX_WIDTH), 4.2), squeeze=False,
+                             constrained_layout=True)
     ll = color_of("one_shot_ll")
-    for ax, (run, title, stages) in zip(axes, RUNS):
+    for ax, (run, title, stages) in zip(axes[0], runs):
         in_run = parts[(parts.ranks == 4) & parts.stage.str.startswith(run) & (parts.kernel == "one_shot_ll")]
         for key, label, style in stages:
             rows = in_run[in_run.stage.str.contains(key, regex=False)]
@@ -50,7 +59,7 @@ def waiting_together(parts):
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7.5)
-    axes[0].set_ylabel("µs per all-reduce (CUDA graph)")
+    axes[0][0].set_ylabel("µs per all-reduce (CUDA graph)")
     fig.suptitle("one_shot_ll on 4x H100, per call", fontsize=10)
     return fig
 

@@ -82,21 +82,25 @@ __device__ __forceinline__ int missing_line(const uint4* low, const uint4* high,
     return -1;
 }
 
-// one_shot_ll's agreement, waited for in the same trips as the data it guards. Block 0's threads q < p poll
-// peer q's signature line (as agree does) while every thread polls its first pack's lines from every peer:
-// once the last line has landed, one trip to L2 sees it. (Waiting for the agreement first and then for the
-// data took two trips after the last line landed: about a microsecond, as much as the rest of the call.)
-// Data may never come where the call fails (a peer that disagrees pushes other packs, or none): a thread
-// stops waiting for it as soon as the failure is known -- in block 0 from its signature threads (shared
-// memory), in the others from Control::failed, which block 0 marks before it publishes the verdict.
-// ``my_flags``: flags[rank] (loaded early by the caller). On return, low/high hold the first pack's lines
-// as last read (the caller polls again, wait_line, any not yet this call's).
+// one_shot_ll's agreement, waited for in the same trips as the data it guards. In every block, threads q < p
+// poll peer q's signature line (in this rank's own memory, as agree does) while every thread polls its first
+// pack's lines from every peer: once the last line has landed, one trip to L2 sees it. (Waiting for the
+// agreement first and then for the data took two trips after the last line landed: about a microsecond, as
+// much as the rest of the call.) A block that finds every line matching goes on by itself: the lines are the
+// same for every block, so every block finds the same. (Blocks other than 0 used to wait for block 0's
+// verdict, one more store and load through L2 after the last line: 0.3-0.6 µs at 16-64 KiB on 4x H100.)
+// Only where a line does not match, or never comes, does block 0 decide (decide: the status, the failure
+// mark) and the other blocks take its verdict. Data may never come where the call fails (a peer that
+// disagrees pushes other packs, or none): a thread stops waiting for it as soon as the failure is known --
+// from its own block's signature threads (shared memory), or from Control::failed, which block 0 marks before
+// it publishes the verdict. ``my_flags``: flags[rank] (loaded early by the caller). On return, low/high hold
+// the first pack's lines as last read (the caller polls again, wait_line, any not yet this call's).
 __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long long sig, const unsigned int* my_flags,
                                    unsigned int* epochs, int rank, int p, const uint4* mine, long long slot_lines,
                                    long long first, long long packs, uint4* low, uint4* high) {
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
-    __shared__ int doomed;                               // block 0: a peer disagreed, refused or never came
+    __shared__ int doomed;                               // a peer disagreed, refused or never came
     __shared__ int verdict;
     const int t = threadIdx.x;
     if (t < MAX_RANKS) outcome[t] = AGREED;
@@ -104,7 +108,7 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
     __syncthreads();
     const unsigned int e = c.agreement, call = c.number;
     const bool lead = blockIdx.x == 0;
-    bool signature_due = sig != 0 && lead && t < p && t != rank;
+    bool signature_due = sig != 0 && t < p && t != rank;
     bool data_due = first < packs;
     const uint4* their_signature = signature_due ? signature_line((unsigned int*)my_flags, e, t) : nullptr;
     unsigned long long start = 0;                        // (the clock is read only when waiting)
@@ -123,8 +127,13 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
         if (!signature_due && !data_due) break;
         if (start == 0) start = globaltimer();
         ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
-        if (!signature_due && (lead ? *(volatile int*)&doomed
-                                    : (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed)) break;
+        const bool failed = !lead && (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed;
+        if (!signature_due && (*(volatile int*)&doomed || failed)) break;
+        if (signature_due && failed) {                   // block 0 gave up on this peer (or a data wait did):
+            outcome[t] = TIMEOUT;                        // not agreed here either; block 0's verdict decides
+            *(volatile int*)&doomed = 1;
+            break;
+        }
         if ((spins & 1023u) == 0) {
             if (signature_due && globaltimer() - start > ctl->timeout_ns) {   // as agree: a peer that never came
                 outcome[t] = TIMEOUT;                                          // (its own clock only, so that
@@ -139,19 +148,17 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
     }
     __syncthreads();
     if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
-    if (lead) {
-        // All agreed (every thread of block 0 reads the outcomes itself): go on at once. The verdict goes to
-        // the other blocks, and the agreement is counted at the kernel's end (count_agreement: a return
-        // between here and there would leave this rank's count behind its peers') -- thread 0 deciding for
-        // the block between two more barriers cost half a microsecond a call on 4x H100. (A rank that only
-        // came to refuse its input never agrees: decide says SELF_REFUSED.)
-        bool agreed = sig != REFUSED;
-        for (int r = 0; r < p; r++) agreed = agreed && outcome[r] == AGREED;
-        if (agreed) {
-            if (t == 0 && gridDim.x > 1)
-                *(volatile unsigned long long*)&ctl->verdict = ((unsigned long long)call << 32) | AGREED;
-            return AGREED;
-        }
+    // All agreed (every thread reads its block's outcomes itself): go on at once. Block 0 still publishes the
+    // verdict (a block that gave up on a dead peer's data reads it), and counts the agreement at the kernel's
+    // end (count_agreement: a return between here and there would leave this rank's count behind its
+    // peers') -- thread 0 deciding for the block between two more barriers cost half a microsecond a call on
+    // 4x H100. (A rank that only came to refuse its input never agrees: decide says SELF_REFUSED.)
+    bool agreed = sig != REFUSED;
+    for (int r = 0; r < p; r++) agreed = agreed && outcome[r] == AGREED;
+    if (agreed) {
+        if (lead && t == 0 && gridDim.x > 1)
+            *(volatile unsigned long long*)&ctl->verdict = ((unsigned long long)call << 32) | AGREED;
+        return AGREED;
     }
     if (t == 0) verdict = lead ? decide(ctl, c, sig, epochs, p, outcome, seen, false)
                                : await_verdict(ctl, call, false);
@@ -193,9 +200,10 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
 #pragma unroll
     for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
     const uint4* my_buf = bufs[rank];
-    const bool signals = sig != 0 && blockIdx.x == 0 && threadIdx.x < p && threadIdx.x != rank;
+    const bool reads_signature = sig != 0 && threadIdx.x < p && threadIdx.x != rank;   // (every block)
+    const bool signals = reads_signature && blockIdx.x == 0;                             // (block 0 sends)
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
-    const unsigned int* my_flags = signals ? flags[rank] : nullptr;
+    const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
     if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
