@@ -106,7 +106,7 @@ def layer_rows(out: Path, p: int, add) -> None:
     if sequence is not None:
         rows = pd.read_csv(sequence)
         rows = rows[(rows.kind == "layer") & (rows["mode"] == "strong") & (rows.dtype == "bfloat16")]
-        rows = rows[(rows.p == p) & ~rows.path.str.startswith("compute_only")]   # (nothing moved: not a path)
+        rows = rows[(rows.p == p) & ~rows.path.str.startswith("compute_")]   # (compute_only, compute_floor: not paths)
         speedup = rows.assign(name=rows.scheme + " " + rows.path).groupby("name").speedup.median().dropna()
         vendor = speedup.index.str.contains(" direct_nccl| direct_vendor| staged_mpi")   # a library's all-gather
 

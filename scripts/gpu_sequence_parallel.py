@@ -20,6 +20,10 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     direct_copy_engine  K and V pulled by the copy engines (CopyEngineExchange: no SM), for the all-gather scheme
                   (with head groups: next to the attention) and the streamed K/V scheme
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
+    compute_only  NullExchange: nothing crosses a link, but every rank still writes p copies of its own K and V
+                  block into the gathered tensor (what a real gather writes), and the streamed scheme merges p blocks
+    compute_floor nothing moves and nothing is written: the gather hands back a tensor of the gathered shape made
+                  once (values wrong by design). The layer's compute alone, the floor under every path
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
 fused kernel that returns the block's log-sum-exp (cuDNN's in bf16, FlashAttention's for a causal
 rectangle) and moves the blocks on a second CUDA stream. ``--head-groups 1,4,8`` also runs the all-gather
@@ -184,6 +188,19 @@ def null_gather(rank, size):
     return partial(exchange_allgather_first_dim, exchange=NullExchange(rank, size))
 
 
+def ready_gather():
+    """A ``gather`` that moves and writes nothing: a tensor of the gathered shape, made once per shape (K and V
+    share it). The layer's compute alone, with no exchange's work at all: the floor under every path."""
+    made = {}
+
+    def gather(x, comm):
+        key = (tuple(x.shape), x.dtype, x.device)
+        if key not in made:
+            made[key] = torch.zeros((comm.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return made[key]
+    return gather
+
+
 def message_exchange(host):
     from tplab.comm.shard_exchange import MessageExchange
 
@@ -220,10 +237,14 @@ def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=N
                        {"exchange": exchange[0], "gather": copy_engine_gather(*exchange)}, {"allgather_kv", "streamed_kv"},
                        False),
                       ("compute_only", "NullExchange: nothing moves, every block is this rank's own (values wrong "
-                       "by design): the scheme's compute alone", nccl, {"exchange": NullExchange(host.rank, host.size),
+                       "by design): the scheme's compute and the gathered tensor's writes", nccl, {"exchange": NullExchange(host.rank, host.size),
                                                                           "gather": null_gather(host.rank, host.size)},
                        {"allgather_kv", "streamed_kv"}, False)]
-    elif device == "cpu":  # the dry run walks the direct path's code with host MPI standing in for NCCL
+    if nccl is not None or device == "cpu":
+        paths += [("compute_floor", "nothing moves or is written: the gather hands back a tensor of the gathered shape "
+                   "made once (values wrong by design): the layer's compute alone", nccl or host,
+                   {"gather": ready_gather()}, {"allgather_kv"}, False)]
+    if nccl is None and device == "cpu":  # the dry run walks the direct path's code with host MPI standing in for NCCL
         paths += [("direct_ring", "tplab ring over host MPI (CPU dry run)", host, {"algorithm": "ring"}, messages,
                    True),
                   ("direct_messages", "MessageExchange over host MPI (CPU dry run)", host,

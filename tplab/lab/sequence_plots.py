@@ -3,6 +3,8 @@
     sp_floor(rows, dtype)     05: the layer on p GPUs per scheme and path, next to its compute with nothing moved
     lse_kernel_before_after(rows, dtype)   05: the same layer with its blocks on FlashAttention's kernel and
                               on cuDNN's (sequence_parallel_gpu_*_cudnn-lse.csv)
+    overlap_attempts(rows, dtype)   05: the all-gather scheme's paths and the ways tried to hide its transfers,
+                              medians and ranges over rounds (sequence_parallel_gpu_4x-h100_overlap-attempts.csv)
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ def sp_floor(rows, dtype="bfloat16"):
     layer = rows[(rows.kind == "layer") & (rows.dtype == dtype)]
     layer = layer[layer.p == layer.p.max()].drop_duplicates(["scheme", "path"], keep="last")
     # grouped by scheme (its fastest path first), within a scheme the floor first: the gap is the exposed part
-    layer = layer.assign(floor=~layer.path.str.startswith("compute_only"),
+    layer = layer.assign(floor=~layer.path.str.startswith("compute_"),
                          fastest=layer.groupby("scheme").time_s.transform("min"))
     layer = layer.sort_values(["fastest", "scheme", "floor", "time_s"], ascending=False)
     p = int(layer.p.max())
     fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.32 * len(layer) + 1.4), constrained_layout=True)
     for y, row in enumerate(layer.itertuples()):
-        floor = row.path.startswith("compute_only")
+        floor = row.path.startswith("compute_")
         ax.barh(y, row.time_s * 1e3, color=color_of(row.scheme), alpha=0.45 if floor else 0.9,
                 hatch="//" if floor else None, edgecolor="0.3" if floor else None)
         ax.text(row.time_s * 1e3, y, f" {row.time_s * 1e3:.2f} ms ({row.speedup:.2f}x)", va="center", fontsize=8)
@@ -53,7 +55,7 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
     for y, ((scheme, path), row) in enumerate(times.iterrows()):
         for offset, cudnn in ((-0.2, False), (0.2, True)):   # (the axis inverted: before above after)
             ax.barh(y + offset, row[cudnn], height=0.38, color=color_of(scheme), alpha=0.9 if cudnn else 0.35,
-                    hatch="//" if path.startswith("compute_only") else None, edgecolor="0.3")
+                    hatch="//" if path.startswith("compute_") else None, edgecolor="0.3")
             ax.text(row[cudnn], y + offset, f" {row[cudnn]:.2f} ms", va="center", fontsize=8)
     unsplit = rows[(rows.kind == "unsplit") & (rows.dtype == dtype) & rows.lse_kernel.isin(["flash", "cudnn"])]
     ideal = float(unsplit.time_s.median()) / p * 1e3
@@ -64,5 +66,56 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
     ax.invert_yaxis()
     ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; hatched: nothing moved)", xlim=(0, times.max().max() * 1.25),
            title="the same blocks, another attention kernel\n(pale: attend_with_lse on FlashAttention, dark: on cuDNN)")
+    ax.grid(alpha=0.3, axis="x")
+    return fig
+
+
+# overlap_attempts: each path in words, and the colour of its wire (the floors grey)
+_WIRES = {"direct_nccl": ("NCCL all-gather", "nccl"), "direct_peer": ("tplab peer all-gather", "tplab_peer_memory"),
+          "direct_copy_engine": ("copy engines", "copy_engine"), "direct_ring": ("tplab ring (NCCL send/recv)", "ring"),
+          "compute_floor": ("compute alone", None),
+          "compute_only": ("compute + K/V writes", None)}
+_HOW = (("_side_k_first", ", K first, under V and Q"), ("_side", ", 2nd stream, under Q"), ("_g2", ", 2 head groups"))
+
+
+def _path_words(path: str):
+    """(label, colour name or None for a floor) of an all-gather path of scripts/gpu_sequence_parallel.py."""
+    how = ""
+    for suffix, words in _HOW:
+        if path.endswith(suffix):
+            path, how = path[: -len(suffix)], words
+            break
+    if path.startswith("peer_b"):   # (tplab's peer all-gather held to that many blocks)
+        return f"tplab peer, {path[6:]} blocks{how}", "tplab_peer_memory"
+    words, colour = _WIRES.get(path, (path, path))
+    return words + how, colour
+
+
+def overlap_attempts(rows, dtype="bfloat16"):
+    """The all-gather scheme's rows: each path's time per layer, the median over its rounds (bar) and their range
+    (whisker), coloured by its wire (NCCL black, tplab's peer memory cyan, the copy engines brown, tplab's ring
+    orange); the floors
+    grey and hatched (only the plain ones: compute alone, and with the gathered tensor's writes); a dashed line at
+    the plain NCCL all-gather's median, where nothing overlaps: an attempt pays off only left of it."""
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & (rows.scheme == "allgather_kv")]
+    layer = layer[~layer.path.str.startswith("compute_") | layer.path.isin(["compute_floor", "compute_only"])]
+    stats = (layer.groupby("path").time_s.agg(["median", "min", "max"]) * 1e3).sort_values("median")
+    p = int(layer.p.max())
+    fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.28 * len(stats) + 1.5), constrained_layout=True)
+    for y, (path, row) in enumerate(stats.iterrows()):
+        words, colour = _path_words(path)
+        floor = colour is None
+        ax.barh(y, row["median"], color="0.75" if floor else color_of(colour), alpha=0.9,
+                hatch="//" if floor else None, edgecolor="0.3" if floor else None)
+        ax.plot([row["min"], row["max"]], [y, y], color="0.2", lw=1)
+        ax.text(row["max"], y, f" {row['median']:.2f} ms", va="center", fontsize=8)
+    plain = float(stats.loc["direct_nccl", "median"]) if "direct_nccl" in stats.index else None
+    if plain is not None:
+        ax.axvline(plain, color="0.3", ls="--", lw=1)
+    ax.set_yticks(range(len(stats)), [_path_words(path)[0] for path in stats.index], fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; bar: median of the rounds, line: their range)",
+           xlim=(0, stats["max"].max() * 1.15),
+           title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)")
     ax.grid(alpha=0.3, axis="x")
     return fig
