@@ -12,7 +12,8 @@
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
 // up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
-// verdict is never taken for this call's. The verdict is a plain store (one_shot: a release), and none at all
+// verdict is never taken for this call's (one_shot_ll's blocks read the lines themselves where they agree:
+// one_shot.cu). The verdict is a plain store (one_shot: a release), and none at all
 // in a grid of one block: a release would first wait until block 0's pushes to the peers had landed,
 // about a microsecond over NVLink, and the verdict orders no data (one_shot's staged input excepted). Signature 0 skips the step: the caller ran agree_only first (each
 // call agrees exactly once on every rank, whatever path it takes). The lines alternate between two rows (the
@@ -44,8 +45,9 @@ struct Control {                      // this rank's own (device memory; peers n
 struct Call {
     unsigned int failed;              // Control::failed as the call started (failed_before says what it means)
     unsigned int number;              // this call's number: calls finished here + 1 (the same on every rank)
-    unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use: block 0
-                                      //  moves the count once it has agreed, one_shot_ll at its end)
+    unsigned int agreement;           // this call's agreement: agreements passed + 1 (block 0's to use, and
+                                      //  every block's in one_shot_ll: block 0 moves the count once it has
+                                      //  decided, one_shot_ll's last block to finish once all have agreed)
     unsigned int barriers;            // barriers this block has passed (epochs[blockIdx.x]; finish writes it back)
     unsigned int two_shot_call;       // Control::two_shot_call as the call started
 };
@@ -163,7 +165,7 @@ __device__ int collect_signatures(Control* ctl, const Call& c, unsigned long lon
     __shared__ int verdict;
     const unsigned int e = c.agreement;
     const int q = threadIdx.x;
-    if (q < MAX_RANKS) outcome[q] = AGREED;
+    if (q < MAX_RANKS) { outcome[q] = AGREED; seen[q] = 0; }       // (seen: 0 for a peer that never came)
     if (q < p && q != rank) {
         const uint4* mine = signature_line(flags[rank], e, q);
         unsigned long long start = 0;                       // (the clock is read only when waiting)
@@ -238,15 +240,18 @@ __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsign
 // The call's number is stored, not added to: it was read at the start (begin_call), and a load here would
 // be one more trip to L2 before the kernel can end. This block's barrier count goes back to memory.
 // ``two_shot_agreed``: an agreed two_shot ends here, which its next call may count on (Control::two_shot_call;
-// written by the last block, so that every block of the next kernel reads the same).
+// written by the last block, so that every block of the next kernel reads the same). ``agreement``: one_shot_ll's
+// agreement, counted here, by the last block, since every block of it reads Call::agreement (a block that
+// started late, after block 0 had ended, would otherwise read the next call's; 0: none to count).
 __device__ void finish(Control* ctl, unsigned int* epochs, const Call& c, bool counted = true,
-                       bool two_shot_agreed = false) {
+                       bool two_shot_agreed = false, unsigned int agreement = 0u) {
     __syncthreads();
     if (threadIdx.x == 0) epochs[blockIdx.x] = c.barriers;
     if (!counted) return;
     if (threadIdx.x == 0 && (gridDim.x == 1 || atomicAdd(&ctl->finished, 1u) == gridDim.x - 1)) {
         ctl->finished = 0;
         if (two_shot_agreed) ctl->two_shot_call = c.number;
+        if (agreement != 0u) epochs[AGREE_SLOT] = agreement;
         ctl->calls = c.number;
     }
 }

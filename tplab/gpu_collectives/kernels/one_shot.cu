@@ -86,15 +86,20 @@ __device__ __forceinline__ int missing_line(const uint4* low, const uint4* high,
 // poll peer q's signature line (in this rank's own memory, as agree does) while every thread polls its first
 // pack's lines from every peer: once the last line has landed, one trip to L2 sees it. (Waiting for the
 // agreement first and then for the data took two trips after the last line landed: about a microsecond, as
-// much as the rest of the call.) A block that finds every line matching goes on by itself: the lines are the
-// same for every block, so every block finds the same. (Blocks other than 0 used to wait for block 0's
-// verdict, one more store and load through L2 after the last line: 0.3-0.6 µs at 16-64 KiB on 4x H100.)
-// Only where a line does not match, or never comes, does block 0 decide (decide: the status, the failure
-// mark) and the other blocks take its verdict. Data may never come where the call fails (a peer that
-// disagrees pushes other packs, or none): a thread stops waiting for it as soon as the failure is known --
-// from its own block's signature threads (shared memory), or from Control::failed, which block 0 marks before
-// it publishes the verdict. ``my_flags``: flags[rank] (loaded early by the caller). On return, low/high hold
-// the first pack's lines as last read (the caller polls again, wait_line, any not yet this call's).
+// much as the rest of the call.) A block that finds every line matching goes on by itself: every block reads
+// the same lines, so they find the same. (Blocks other than 0 used to wait for block 0's verdict, one more
+// store and load through L2 after the last line: about 0.3 µs a call at 16-64 KiB on 4x H100. The one way
+// they can differ: a peer's line that lands after block 0 gave up on it, ctl->timeout_ns late, may still be
+// seen by a block that has not yet seen Control::failed; that block sums, and the host raises TIMEOUT as
+// for any failed call.) Only where a line does not match, or never comes, does block 0 decide (decide: the
+// status, the failure mark) and the other blocks take its verdict -- at once where this rank refuses its
+// input, whose other blocks never agree and so do not read the lines. Data may never come where the call
+// fails (a peer that disagrees pushes other packs, or none): a thread stops waiting for it as soon as the
+// failure is known -- from its own block's signature threads (shared memory), or from Control::failed,
+// which block 0 marks before it publishes the verdict. The agreement is counted by the last block to finish
+// (finish), since every block reads Call::agreement at its start. ``my_flags``: flags[rank] (loaded early by
+// the caller). On return, low/high hold the first pack's lines as last read (the caller polls again,
+// wait_line, any not yet this call's).
 __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long long sig, const unsigned int* my_flags,
                                    unsigned int* epochs, int rank, int p, const uint4* mine, long long slot_lines,
                                    long long first, long long packs, uint4* low, uint4* high) {
@@ -103,12 +108,12 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
     __shared__ int doomed;                               // a peer disagreed, refused or never came
     __shared__ int verdict;
     const int t = threadIdx.x;
-    if (t < MAX_RANKS) outcome[t] = AGREED;
+    if (t < MAX_RANKS) { outcome[t] = AGREED; seen[t] = 0; }      // (seen: 0 for a peer that never came)
     if (t == 0) doomed = 0;
     __syncthreads();
     const unsigned int e = c.agreement, call = c.number;
     const bool lead = blockIdx.x == 0;
-    bool signature_due = sig != 0 && t < p && t != rank;
+    bool signature_due = sig != 0 && (lead || sig != REFUSED) && t < p && t != rank;
     bool data_due = first < packs;
     const uint4* their_signature = signature_due ? signature_line((unsigned int*)my_flags, e, t) : nullptr;
     unsigned long long start = 0;                        // (the clock is read only when waiting)
@@ -129,8 +134,8 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
         ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
         const bool failed = !lead && (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed;
         if (!signature_due && (*(volatile int*)&doomed || failed)) break;
-        if (signature_due && failed) {                   // block 0 gave up on this peer (or a data wait did):
-            outcome[t] = TIMEOUT;                        // not agreed here either; block 0's verdict decides
+        if (signature_due && failed) {                   // the call failed (block 0 decided, or a data wait
+            outcome[t] = TIMEOUT;                        // gave up): not agreed here either; the verdict decides
             *(volatile int*)&doomed = 1;
             break;
         }
@@ -149,8 +154,8 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
     __syncthreads();
     if (sig == 0) return AGREED;                         // agreed already, by agree_only before this kernel
     // All agreed (every thread reads its block's outcomes itself): go on at once. Block 0 still publishes the
-    // verdict (a block that gave up on a dead peer's data reads it), and counts the agreement at the kernel's
-    // end (count_agreement: a return between here and there would leave this rank's count behind its
+    // verdict (a block whose signature thread saw Control::failed reads it), and the agreement is counted at
+    // the kernel's end (finish: a return between here and there would leave this rank's count behind its
     // peers') -- thread 0 deciding for the block between two more barriers cost half a microsecond a call on
     // 4x H100. (A rank that only came to refuse its input never agrees: decide says SELF_REFUSED.)
     bool agreed = sig != REFUSED;
@@ -164,12 +169,6 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
                                : await_verdict(ctl, call, false);
     __syncthreads();
     return verdict;
-}
-
-// The agreement of a call that agreed in agree_as_lines_land, counted (by block 0's thread 0, before finish:
-// the next kernel reads the count at its start, after this one has ended).
-__device__ __forceinline__ void count_agreement(unsigned int* epochs, const Call& c, unsigned long long sig) {
-    if (sig != 0 && blockIdx.x == 0 && threadIdx.x == 0) epochs[AGREE_SLOT] = c.agreement;
 }
 
 // ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
@@ -242,7 +241,6 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
         }
         out[i] = sum_packs<T>(v, p);
     }
-    count_agreement(epochs, this_call, sig);
-    finish(ctl, epochs, this_call);
+    finish(ctl, epochs, this_call, true, false, sig != 0 ? this_call.agreement : 0u);   // (counts the agreement)
 }
 
