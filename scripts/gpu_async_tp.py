@@ -44,7 +44,8 @@ communication time that the async layer does not add to the compute. ``max_rel_d
 output against the plain layer's rows, relative to its largest value (bf16 rounding: ~1e-2; a lost or
 doubled partial: ~1). The host's time to queue one async pass is printed too (it must stay below the GPU's).
 
-Writes OUT_DIR/async_tp_gpu_<p>x-<card>.csv (variant, layers, ms, ...) and prints a summary. ``--clocks``: each
+Writes OUT_DIR/async_tp_gpu_<p>x-<card>.csv (variant, layers, ms, ..., run: a rerun into the same folder adds its
+rows with the next run number) and prints a summary. ``--clocks``: each
 stack variant runs for 2 s while nvidia-smi samples SM clock and power (OUT_DIR/clocks.csv); ``--profile``: one pass
 with and without transfers under torch.profiler (Chrome traces per rank, and where the compute stream's time
 went), and the latency of one stream-operation barrier.
@@ -248,7 +249,16 @@ def main():
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-        df.to_csv(out / f"async_tp_gpu_{p}x-{slug}.csv", index=False)
+        path = out / f"async_tp_gpu_{p}x-{slug}.csv"
+        df["run"] = 1
+        if path.exists():   # every run is kept, numbered (column run): a rerun into the same folder adds to it
+            before = pd.read_csv(path)
+            if "run" not in before:
+                before["run"] = 1
+            df["run"] = int(before["run"].max()) + 1
+            pd.concat([before, df], ignore_index=True).to_csv(path, index=False)
+        else:
+            df.to_csv(path, index=False)
         print(f"{p}x {card}: async layer vs plain rows max_rel_diff {worst:.2e}; host queues the stack in "
               f"{queued * 1e3:.1f} ms, the GPU runs it in {gpu * 1e3:.1f} ms")
         print(df.pivot(index="variant", columns="layers", values="ms_per_layer").round(3).to_string())
