@@ -416,7 +416,7 @@ def main():
     parser.add_argument("--weak-schemes", default="allgather_kv", help="schemes also run in weak scaling")
     parser.add_argument("--paths", default="all",
                         help="comma-separated paths to run (staged_ring, staged_mpi, direct_ring, direct_nccl, "
-                             "direct_peer, direct_copy_engine, direct_vendor), or all")
+                             "direct_peer, direct_copy_engine, direct_vendor, compute_only, compute_floor), or all")
     parser.add_argument("--head-groups", default="1",
                         help="comma-separated G: the all-gather scheme with K/V in G head groups, overlapped "
                              "(1: as it was)")
