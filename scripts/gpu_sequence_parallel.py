@@ -22,6 +22,9 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
     compute_only  NullExchange: nothing crosses a link, but every rank still writes p copies of its own K and V
                   block into the gathered tensor (what a real gather writes), and the streamed scheme merges p blocks
+    fused_kv      tplab.sequence.FusedKV: Q, K and V in one Triton GEMM whose epilogue writes each K/V tile into
+                  every rank's memory (TMA stores over NVLink), then one barrier: the all-gather hidden in the GEMM
+                  (bf16/fp16, Hopper or newer, Triton with tensor descriptors)
     compute_floor nothing moves and nothing is written: the gather hands back a tensor of the gathered shape made
                   once (values wrong by design). The layer's compute alone, the floor under every path
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a
@@ -207,7 +210,16 @@ def message_exchange(host):
     return MessageExchange(host)
 
 
-OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups", "side_stream"}, "streamed_kv": {"exchange"}}  # what each takes
+def fused_kv_works() -> bool:
+    """Whether the fused K/V gather can run here: Triton with tensor descriptors, a GPU with TMA (Hopper on)."""
+    try:
+        import triton.tools.tensor_descriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups", "side_stream", "fused_kv"}, "streamed_kv": {"exchange"}}  # what each takes
 
 
 def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=None):
@@ -240,6 +252,10 @@ def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=N
                        "by design): the scheme's compute and the gathered tensor's writes", nccl, {"exchange": NullExchange(host.rank, host.size),
                                                                           "gather": null_gather(host.rank, host.size)},
                        {"allgather_kv", "streamed_kv"}, False)]
+    if nccl is not None and fused_kv_works():
+        paths += [("fused_kv", "FusedKV: Q/K/V in one Triton GEMM whose epilogue writes each K/V tile into every "
+                   "rank's memory (CUDA IPC, TMA stores over NVLink), then one barrier", nccl, {"fused_kv": True},
+                   {"allgather_kv"}, False)]
     if nccl is not None or device == "cpu":
         paths += [("compute_floor", "nothing moves or is written: the gather hands back a tensor of the gathered shape "
                    "made once (values wrong by design): the layer's compute alone", nccl or host,
@@ -316,6 +332,8 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
         if args.side_stream and "allgather_kv" in here:
             variants.append(("allgather_kv", 1, True))
         for scheme, groups, side in variants:
+            if "fused_kv" in base_options and (side or (groups or 1) > 1 or dtype not in (torch.bfloat16, torch.float16)):
+                continue  # (one 16-bit GEMM sends K and V: no groups, no side stream)
             if scheme == "ulysses" and args.heads % p:
                 log(f"  skip ulysses: {args.heads} heads over {p} ranks")
                 continue
@@ -334,6 +352,11 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                 options["side_stream"] = True
                 name, transport = f"{base_name}_side", f"{base_transport}; the gathers on the side stream, under Q"
             faulthandler.dump_traceback_later(args.watchdog, exit=True)
+            if options.get("fused_kv") is True:  # made for this layer's weights and shapes (collective)
+                from tplab.sequence.fused_kv import FusedKV
+
+                options["fused_kv"] = FusedKV(block.attention, MPI.COMM_WORLD, batch=args.batch,
+                                              tokens_per_rank=x.shape[1])
             layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal,
                                           check=False, **options)
             with torch.no_grad():
@@ -353,6 +376,8 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                          "max_rel_error": max(host.allgather_object(error))})
             log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:16} {time_s * 1e3:9.2f} ms  "
                 f"speedup {unsplit / time_s:5.2f}x  error {rows[-1]['max_rel_error']:.1e}")
+            if layer.fused_kv is not None:
+                layer.fused_kv.close()
     del x_full, expected
     if args.device == "cuda":
         torch.cuda.empty_cache()

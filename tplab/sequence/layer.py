@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tplab.sequence.allgather_kv import allgather_kv_attention, start_kv_gathers
+from tplab.sequence.allgather_kv import allgather_kv_attention, attend_local, start_kv_gathers
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.ring import ring_attention
 from tplab.sequence.streamed_kv import start_streamed_kv, streamed_kv_attention
@@ -48,18 +48,28 @@ class SequenceParallelBlock(nn.Module):
     attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``, ``side_stream``; streamed K/V:
     ``exchange``; all: ``check``). K and V are computed before Q: the all-gather and streamed K/V schemes
     start moving them, and compute Q (on a GPU, where the transfers run on other streams or copy engines:
-    while they travel)."""
+    while they travel). All-gather K/V on GPUs, inference: ``fused_kv=FusedKV(...)`` (fused_kv.py) makes Q, K
+    and V in one GEMM that writes K and V into every rank's memory as it computes them."""
 
     def __init__(self, block: nn.Module, comm, *, scheme: str = "allgather_kv", layout: str = "contiguous",
                  causal: bool = True, **options):
         super().__init__()
         self.attend = attention_scheme(scheme)
         self.block, self.comm, self.scheme, self.layout, self.causal = block, comm, scheme, layout, causal
+        self.fused_kv = options.pop("fused_kv", None)
+        if self.fused_kv is not None and (scheme != "allgather_kv" or (self.fused_kv.rank, self.fused_kv.size)
+                                          != (comm.rank, comm.size)):
+            raise ValueError(f"fused_kv is the all-gather scheme's, over the same ranks as comm (scheme {scheme!r}; "
+                             f"rank {self.fused_kv.rank} of {self.fused_kv.size} vs {comm.rank} of {comm.size})")
         self.options = options
 
     def attention(self, x):  # x: (b, s/p, h) my tokens, after norm1
         a = self.block.attention
         b, s_local, _ = x.shape
+        if self.fused_kv is not None:  # Q, and everyone's K and V, from one GEMM that sends as it computes
+            q, k_all, v_all = self.fused_kv(x, check=self.options.get("check", True))
+            y = attend_local(q, k_all, v_all, self.comm.rank, self.comm.size, causal=self.causal, layout=self.layout)
+            return a.o_proj(y.transpose(1, 2).reshape(b, s_local, a.n_head * a.head_dim))
         k = self.rotated(a.k_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2))  # (b, n_kv, s/p, d)
         v = a.v_proj(x).view(b, s_local, a.n_kv_head, a.head_dim).transpose(1, 2)
         if self.scheme in STARTS:  # K and V leave first; Q is computed while they travel

@@ -1,0 +1,219 @@
+"""A matrix product whose epilogue all-gathers its output: every output tile is written, straight from the SM
+that computed it, into every rank's gathered buffer (peer memory over NVLink). No separate all-gather runs, so no
+pass of its own takes SMs or reads the output back from memory: the GEMM hides the transfer (Flux's idea, a paper
+and library from ByteDance, for tensor parallelism).
+
+    rank r, tokens r·m .. r·m + m - 1 of every sequence:
+
+    y = x Wᵀ + b     x (B·m, K), W (N, K)    one Triton GEMM; tile (BLOCK_M x BLOCK_N)
+    ├─ columns [0, local)     -> out (B·m, local), this rank only                      (Q of attention)
+    └─ columns [local, N)     -> gathered[q][batch, r·m + t, :]   for every rank q     (K and V)
+                                 TMA stores from the SM straight into rank q's memory
+
+    after it: a barrier (flags in GPU memory) -- every rank's tiles have landed in mine
+
+The column tiles are visited in the order local, gathered, gathered, local, ... (``interleave``): every wave of
+tiles then sends about as much over the links, instead of a wave of local tiles leaving the links idle and a
+wave of gathered tiles queueing on them.
+
+Needs Triton with tensor descriptors (3.4 or later) and a Hopper GPU or newer (TMA), one process per GPU on one
+node (CUDA IPC). Forward only (inference): nothing here is differentiable.
+"""
+
+from __future__ import annotations
+
+from tplab.gpu_collectives.peer_agreement import MAX_RANKS
+
+_kernel = None
+
+
+def _scratch(size, alignment, stream):  # (Triton asks for global scratch only for descriptors made on the GPU)
+    import torch
+
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _compile():
+    """The Triton kernel, defined at first use (Triton is imported only where a GPU path asks for it)."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    triton.set_allocator(_scratch)
+
+    @triton.jit
+    def matmul_allgather_kernel(x_desc, w_desc, out_desc, bias_ptr, g0, g1, g2, g3, g4, g5, g6, g7,
+                                M, N, K, LOCAL, m_local, S, my_first_row,
+                                RANKS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n                     # GROUP_M row tiles at a time: x's rows stay in L2
+        first_m = (pid // in_group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+        if INTERLEAVE:                                     # 1 local tile, then INTERLEAVE - 1 gathered ones
+            n_local = LOCAL // BLOCK_N
+            step = pid_n % INTERLEAVE
+            pid_n = tl.where(step == 0, pid_n // INTERLEAVE,
+                             n_local + (pid_n // INTERLEAVE) * (INTERLEAVE - 1) + step - 1)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BLOCK_K)):              # (pipelined by Triton: TMA loads num_stages ahead)
+            a = x_desc.load([off_m, ki * BLOCK_K])          # (BLOCK_M, BLOCK_K)
+            b = w_desc.load([off_n, ki * BLOCK_K])          # (BLOCK_N, BLOCK_K): W's rows are y's columns
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tile = acc.to(out_desc.dtype)
+        if off_n < LOCAL:                                  # (LOCAL is a multiple of BLOCK_N: no tile straddles)
+            out_desc.store([off_m, off_n], tile)
+        else:                                              # my rows of the gathered (B, S, N - LOCAL) buffers
+            row = (off_m // m_local) * S + my_first_row + off_m % m_local    # (m_local a multiple of BLOCK_M)
+            col = off_n - LOCAL
+            if RANKS > 1:                                  # g0 is mine; g1.. the next ranks', in ring order
+                g1.store([row, col], tile)
+            if RANKS > 2:
+                g2.store([row, col], tile)
+            if RANKS > 3:
+                g3.store([row, col], tile)
+            if RANKS > 4:
+                g4.store([row, col], tile)
+            if RANKS > 5:
+                g5.store([row, col], tile)
+            if RANKS > 6:
+                g6.store([row, col], tile)
+            if RANKS > 7:
+                g7.store([row, col], tile)
+            g0.store([row, col], tile)
+
+    _kernel = matmul_allgather_kernel
+    return _kernel
+
+
+class _Address:
+    """A device address (a peer's buffer, mapped here) where Triton expects a tensor: a descriptor's base."""
+
+    def __init__(self, address: int, dtype):
+        self.address, self.dtype = int(address), dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _largest_dividing(n: int, choices) -> int | None:
+    return next((c for c in choices if n % c == 0), None)
+
+
+class MatmulAllGather:
+    """``y = x @ weight.T + bias`` on every rank, where columns ``[0, local)`` stay here (``out``) and columns
+    ``[local, N)`` of every rank's rows land in every rank's ``gathered`` (batch, p·m, N - local) buffer, in rank
+    order along the sequence. Collective to build (one process per GPU, one node, at most 8 ranks): ``mpi_comm``,
+    the same ``weight`` (N, K), ``bias`` (N,) or None, ``local``, ``batch`` and ``m`` (rows per sequence on each
+    rank) on every rank. Calls are collective, queued on torch's current stream::
+
+        fused = MatmulAllGather(MPI.COMM_WORLD, w_qkv, b_qkv, local=h_q, batch=b, m=s // p)
+        q, gathered = fused(x)     # x (b·m, K) my rows; q (b·m, h_q) mine; gathered (b, p·m, N - h_q) everyone's
+        ...                        # read ``gathered`` before the next call: the peers write into it then
+
+    16-bit floats only (bf16, fp16; fp32 accumulation). ``block``: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+    num_warps), default the fastest found on 4 H100s for the course project's layer; ``interleave``: local and
+    gathered column tiles alternate (module docstring). ``close()`` (collective) frees the peer memory."""
+
+    def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
+                 interleave: bool = True, timeout: float = 30.0):
+        import torch
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from tplab.gpu_collectives.peer_memory import PeerMemory
+
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        n, k = weight.shape
+        block_m = _largest_dividing(m, (128, 64))
+        block_n = _largest_dividing(local, (256, 128, 64))
+        problem = ""
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            problem = f"needs bf16 or fp16 weights, not {weight.dtype}"
+        elif self.size > MAX_RANKS:
+            problem = f"handles at most {MAX_RANKS} ranks, not {self.size}"
+        elif not (0 < local < n):
+            problem = f"local={local}: some columns must stay here and some be gathered (0 < local < N = {n})"
+        elif block_m is None or block_n is None or k % 8 or (n - local) % 8:
+            problem = (f"rows per rank m={m} must be a multiple of 64, local={local} of 64, and K={k}, "
+                       f"N - local={n - local} of 8 (whole tiles, 16-byte rows for TMA)")
+        everyone = mpi_comm.allgather((problem, tuple(weight.shape), local, batch, m))
+        problems = [f"rank {r}: {p}" for r, (p, *_) in enumerate(everyone) if p]
+        if not problems and len({tuple(e[1:]) for e in everyone}) != 1:
+            problems = [f"ranks disagree on (weight shape, local, batch, m): {[e[1:] for e in everyone]}"]
+        if problems:
+            raise ValueError("MatmulAllGather: " + "; ".join(problems))
+        self.block = tuple(block or (block_m, min(block_n, 256), 64, 3, 8))
+        bm, bn, bk = self.block[:3]
+        if m % bm or local % bn:
+            raise ValueError(f"MatmulAllGather: block {self.block} does not tile m={m}, local={local}")
+        self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
+        self.local, self.batch, self.m, self.n, self.k = local, batch, m, n, k
+        self.seq = self.size * m
+        width = n - local
+        nbytes = batch * self.seq * width * weight.element_size()
+        self.peers = PeerMemory(mpi_comm, nbytes, timeout=timeout)
+        self.gathered = torch.as_tensor(self.peers.buffer(nbytes, "uint8"), device=weight.device).view(
+            weight.dtype).view(batch, self.seq, width)             # (B, p·m, N - local): every rank's rows
+        self.out = torch.empty((batch * m, local), dtype=weight.dtype, device=weight.device)
+        ring_order = [(self.rank + i) % self.size for i in range(self.size)]   # me, then the next ranks
+        shape, strides = [batch * self.seq, width], [width, 1]
+        self._gathered_descs = [TensorDescriptor(_Address(self.peers.data_pointer(q), weight.dtype), shape, strides,
+                                                 [bm, bn]) for q in ring_order]
+        self._gathered_descs += [self._gathered_descs[0]] * (MAX_RANKS - self.size)
+        self._w_desc = TensorDescriptor(self.weight, [n, k], [k, 1], [bn, bk])
+        self._out_desc = TensorDescriptor(self.out, [batch * m, local], [local, 1], [bm, bn])
+        ratio = n // local                                      # 1 local tile, then ratio - 1 gathered ones
+        self.interleave = ratio if interleave and n % local == 0 and ratio > 1 else 0
+
+    def barrier(self) -> None:
+        """Every rank's queued work up to here is done (a kernel on torch's current stream; nothing waits on
+        the host)."""
+        import torch
+
+        from tplab.toolkit.arrays import external_stream
+
+        with external_stream(torch.cuda.current_stream().cuda_stream):
+            self.peers.queue_barrier()
+
+    def __call__(self, x, *, check: bool = True):
+        """x (B·m, K) this rank's rows -> (out (B·m, local), gathered (B, p·m, N - local)). ``check``: the ranks
+        agree on x's shape and dtype first (a host exchange), so a bad one is the same error on every rank."""
+        import triton
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        want = (self.batch * self.m, self.k)
+        problem = "" if (tuple(x.shape) == want and x.dtype == self.weight.dtype and x.is_contiguous()) else (
+            f"x must be contiguous {self.weight.dtype} of shape {want}, not {x.dtype} {tuple(x.shape)}")
+        if check:
+            problems = [f"rank {r}: {p}" for r, p in enumerate(self.peers.mpi.allgather(problem)) if p]
+            if problems:
+                raise ValueError("MatmulAllGather: " + "; ".join(problems))
+        elif problem:
+            raise ValueError(f"MatmulAllGather: {problem}")
+        bm, bn, bk, stages, warps = self.block
+        x_desc = TensorDescriptor(x, list(want), [self.k, 1], [bm, bk])
+        self.barrier()                      # every rank has read its gathered buffer (the last call's consumer)
+        grid = (triton.cdiv(want[0], bm) * triton.cdiv(self.n, bn),)
+        _compile()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
+                         *self._gathered_descs, want[0], self.n, self.k, self.local, self.m, self.seq,
+                         self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
+                         INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                         num_stages=stages, num_warps=warps)
+        self.barrier()                      # every rank's tiles have landed in my buffer
+        return self.out, self.gathered
+
+    def close(self) -> None:
+        """Collective: free the peer memory."""
+        self.peers.close()
