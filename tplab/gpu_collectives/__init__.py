@@ -17,8 +17,10 @@ GPUs share (CUDA IPC over NVLink).
     copy_engine_exchange.py  CopyEngineExchange: token shards pulled and partial sums pushed by the copy
                         engines, for GEMMs that consume them as they land (tplab.overlap.async_tp)
     copy_engine_calls.py     its calls' handles: a gather's shards as they land, a scatter's pushes
+    matmul_allgather.py MatmulAllGather: a Triton GEMM whose epilogue writes each output tile into every rank's
+                        memory (TMA stores over NVLink): an all-gather hidden in the GEMM (tplab.sequence.FusedKV)
 
-CuPy is imported only when one of them is made.
+CuPy (and Triton) are imported only when one of them is made.
 """
 
 from tplab.gpu_collectives.peer_comm import PeerMemoryComm

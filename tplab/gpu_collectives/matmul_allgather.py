@@ -24,78 +24,21 @@ from __future__ import annotations
 
 from tplab.gpu_collectives.peer_agreement import MAX_RANKS
 
-_kernel = None
+
+def _compile():
+    """The Triton kernel (matmul_allgather_kernel.py), imported at first use: Triton only where a GPU path asks."""
+    import triton
+
+    from tplab.gpu_collectives.matmul_allgather_kernel import matmul_allgather_kernel
+
+    triton.set_allocator(_scratch)   # (global scratch, asked for only by descriptors made on the GPU)
+    return matmul_allgather_kernel
 
 
-def _scratch(size, alignment, stream):  # (Triton asks for global scratch only for descriptors made on the GPU)
+def _scratch(size, alignment, stream):
     import torch
 
     return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def _compile():
-    """The Triton kernel, defined at first use (Triton is imported only where a GPU path asks for it)."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel
-    import triton
-    import triton.language as tl
-
-    triton.set_allocator(_scratch)
-
-    @triton.jit
-    def matmul_allgather_kernel(x_desc, w_desc, out_desc, bias_ptr, g0, g1, g2, g3, g4, g5, g6, g7,
-                                M, N, K, LOCAL, m_local, S, my_first_row,
-                                RANKS: tl.constexpr, HAS_BIAS: tl.constexpr, INTERLEAVE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                GROUP_M: tl.constexpr):
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        in_group = GROUP_M * num_pid_n                     # GROUP_M row tiles at a time: x's rows stay in L2
-        first_m = (pid // in_group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % group_m
-        pid_n = (pid % in_group) // group_m
-        if INTERLEAVE:                                     # 1 local tile, then INTERLEAVE - 1 gathered ones
-            n_local = LOCAL // BLOCK_N
-            step = pid_n % INTERLEAVE
-            pid_n = tl.where(step == 0, pid_n // INTERLEAVE,
-                             n_local + (pid_n // INTERLEAVE) * (INTERLEAVE - 1) + step - 1)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BLOCK_K)):              # (pipelined by Triton: TMA loads num_stages ahead)
-            a = x_desc.load([off_m, ki * BLOCK_K])          # (BLOCK_M, BLOCK_K)
-            b = w_desc.load([off_n, ki * BLOCK_K])          # (BLOCK_N, BLOCK_K): W's rows are y's columns
-            acc = tl.dot(a, b.T, acc)
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tile = acc.to(out_desc.dtype)
-        if off_n < LOCAL:                                  # (LOCAL is a multiple of BLOCK_N: no tile straddles)
-            out_desc.store([off_m, off_n], tile)
-        else:                                              # my rows of the gathered (B, S, N - LOCAL) buffers
-            row = (off_m // m_local) * S + my_first_row + off_m % m_local    # (m_local a multiple of BLOCK_M)
-            col = off_n - LOCAL
-            if RANKS > 1:                                  # g0 is mine; g1.. the next ranks', in ring order
-                g1.store([row, col], tile)
-            if RANKS > 2:
-                g2.store([row, col], tile)
-            if RANKS > 3:
-                g3.store([row, col], tile)
-            if RANKS > 4:
-                g4.store([row, col], tile)
-            if RANKS > 5:
-                g5.store([row, col], tile)
-            if RANKS > 6:
-                g6.store([row, col], tile)
-            if RANKS > 7:
-                g7.store([row, col], tile)
-            g0.store([row, col], tile)
-
-    _kernel = matmul_allgather_kernel
-    return _kernel
 
 
 class _Address:
@@ -124,8 +67,10 @@ class MatmulAllGather:
         ...                        # read ``gathered`` before the next call: the peers write into it then
 
     16-bit floats only (bf16, fp16; fp32 accumulation). ``block``: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
-    num_warps), default the fastest found on 4 H100s for the course project's layer; ``interleave``: local and
-    gathered column tiles alternate (module docstring). ``close()`` (collective) frees the peer memory."""
+    num_warps[, GROUP_M[, halves]]), default (128, 256, 64, 3, 8, 8, 1) where the shapes allow: the fastest of
+    eight tried on 4 H100s for the course project's layer (``halves``: each tile stored as two halves, which
+    frees shared memory; 1.15 ms a call against 1.28 whole); ``interleave``: local and gathered column tiles
+    alternate (module docstring). ``close()`` (collective) frees the peer memory."""
 
     def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
                  interleave: bool = True, timeout: float = 30.0):
@@ -154,8 +99,9 @@ class MatmulAllGather:
             problems = [f"ranks disagree on (weight shape, local, batch, m): {[e[1:] for e in everyone]}"]
         if problems:
             raise ValueError("MatmulAllGather: " + "; ".join(problems))
-        self.block = tuple(block or (block_m, min(block_n, 256), 64, 3, 8))
+        self.block = (tuple(block or (block_m, block_n, 64, 3, 8)) + (8, 1))[:7]  # + GROUP_M, HALVES
         bm, bn, bk = self.block[:3]
+        store_n = bn // 2 if self.block[6] else bn           # the TMA box of a store
         if m % bm or local % bn:
             raise ValueError(f"MatmulAllGather: block {self.block} does not tile m={m}, local={local}")
         self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
@@ -170,10 +116,10 @@ class MatmulAllGather:
         ring_order = [(self.rank + i) % self.size for i in range(self.size)]   # me, then the next ranks
         shape, strides = [batch * self.seq, width], [width, 1]
         self._gathered_descs = [TensorDescriptor(_Address(self.peers.data_pointer(q), weight.dtype), shape, strides,
-                                                 [bm, bn]) for q in ring_order]
+                                                 [bm, store_n]) for q in ring_order]
         self._gathered_descs += [self._gathered_descs[0]] * (MAX_RANKS - self.size)
         self._w_desc = TensorDescriptor(self.weight, [n, k], [k, 1], [bn, bk])
-        self._out_desc = TensorDescriptor(self.out, [batch * m, local], [local, 1], [bm, bn])
+        self._out_desc = TensorDescriptor(self.out, [batch * m, local], [local, 1], [bm, store_n])
         ratio = n // local                                      # 1 local tile, then ratio - 1 gathered ones
         self.interleave = ratio if interleave and n % local == 0 and ratio > 1 else 0
 
@@ -190,7 +136,6 @@ class MatmulAllGather:
     def __call__(self, x, *, check: bool = True):
         """x (B·m, K) this rank's rows -> (out (B·m, local), gathered (B, p·m, N - local)). ``check``: the ranks
         agree on x's shape and dtype first (a host exchange), so a bad one is the same error on every rank."""
-        import triton
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         want = (self.batch * self.m, self.k)
@@ -202,17 +147,24 @@ class MatmulAllGather:
                 raise ValueError("MatmulAllGather: " + "; ".join(problems))
         elif problem:
             raise ValueError(f"MatmulAllGather: {problem}")
-        bm, bn, bk, stages, warps = self.block
+        bm, bn, bk, stages, warps, group_m, halves = self.block
         x_desc = TensorDescriptor(x, list(want), [self.k, 1], [bm, bk])
         self.barrier()                      # every rank has read its gathered buffer (the last call's consumer)
-        grid = (triton.cdiv(want[0], bm) * triton.cdiv(self.n, bn),)
-        _compile()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
-                         *self._gathered_descs, want[0], self.n, self.k, self.local, self.m, self.seq,
-                         self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
-                         INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                         num_stages=stages, num_warps=warps)
+        self.launch(x_desc, want[0])
         self.barrier()                      # every rank's tiles have landed in my buffer
         return self.out, self.gathered
+
+    def launch(self, x_desc, rows: int) -> None:
+        """The kernel alone, no barrier around it (timing its parts; a call needs both)."""
+        import triton
+
+        bm, bn, bk, stages, warps, group_m, halves = self.block
+        grid = (triton.cdiv(rows, bm) * triton.cdiv(self.n, bn),)
+        _compile()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
+                         *self._gathered_descs, rows, self.n, self.k, self.local, self.m, self.seq,
+                         self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
+                         INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+                         HALVES=halves, num_stages=stages, num_warps=warps)
 
     def close(self) -> None:
         """Collective: free the peer memory."""

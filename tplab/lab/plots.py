@@ -28,7 +28,7 @@ COLORS = {
     "peer_one_shot_ll": "darkcyan", "one_shot_ll": "darkcyan",
     "peer_ring": "tab:orange", "copy_engine": "tab:brown", "peer_registered": "darkolivegreen",
     # sequence-parallel schemes (notebook 05; allgather_kv and ulysses keep the colours they always had)
-    "streamed_kv": "darkgoldenrod",
+    "streamed_kv": "darkgoldenrod", "fused_kv": "crimson",
     # all-to-all (notebook 09): pairwise exchange walks the ranks like the ring, Bruck halves like doubling
     "pairwise": "tab:orange", "bruck": "tab:blue", "tplab_pairwise": "tab:orange", "tplab_bruck": "tab:blue",
     "tplab_alltoallv": "tab:red", "nccl_all_to_all_single": "black", "tplab_peer_memory": "tab:cyan",

@@ -73,6 +73,7 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
 # overlap_attempts: each path in words, and the colour of its wire (the floors grey)
 _WIRES = {"direct_nccl": ("NCCL all-gather", "nccl"), "direct_peer": ("tplab peer all-gather", "tplab_peer_memory"),
           "direct_copy_engine": ("copy engines", "copy_engine"), "direct_ring": ("tplab ring (NCCL send/recv)", "ring"),
+          "fused_kv": ("fused into the Q/K/V GEMM", "fused_kv"),
           "compute_floor": ("compute alone", None),
           "compute_only": ("compute + K/V writes", None)}
 _HOW = (("_side_k_first", ", K first, under V and Q"), ("_side", ", 2nd stream, under Q"), ("_g2", ", 2 head groups"))
@@ -91,7 +92,8 @@ def _path_words(path: str):
     return words + how, colour
 
 
-def overlap_attempts(rows, dtype="bfloat16"):
+def overlap_attempts(rows, dtype="bfloat16",
+                     title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)"):
     """The all-gather scheme's rows: each path's time per layer, the median over its rounds (bar) and their range
     (whisker), coloured by its wire (NCCL black, tplab's peer memory cyan, the copy engines brown, tplab's ring
     orange); the floors
@@ -116,6 +118,6 @@ def overlap_attempts(rows, dtype="bfloat16"):
     ax.invert_yaxis()
     ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; bar: median of the rounds, line: their range)",
            xlim=(0, stats["max"].max() * 1.15),
-           title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)")
+           title=title)
     ax.grid(alpha=0.3, axis="x")
     return fig
