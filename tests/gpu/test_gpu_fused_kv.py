@@ -22,7 +22,7 @@ if torch.cuda.get_device_capability()[0] < 9:
 
 from tplab.comm import nccl_world  # noqa: E402
 from tplab.gpu_collectives.matmul_allgather import MatmulAllGather  # noqa: E402
-from tplab.sequence import LAYOUTS, SequenceParallelBlock, SequenceParallelError, shard, unsplit_layer  # noqa: E402
+from tplab.sequence import LAYOUTS, SequenceParallelBlock, shard, unsplit_layer  # noqa: E402
 from tplab.sequence.fused_kv import FusedKV  # noqa: E402
 from tplab.sequence.scaling import make_block, make_input  # noqa: E402
 
@@ -83,10 +83,30 @@ def test_bad_input_is_the_same_error_on_every_rank():
     with torch.no_grad():                                          # (a refused call leaves it usable)
         q, k_all, v_all = fused(torch.zeros(2, 64, 256, dtype=torch.bfloat16, device="cuda"))
     agree(tuple(k_all.shape) == (2, 4, 64 * P, 64), f"{tuple(k_all.shape)}")
-    with pytest.raises(SequenceParallelError, match="forward only"):
-        fused(torch.zeros(2, 64, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True))
+    with pytest.raises(ValueError, match="no other way to gather"):   # one way to gather K and V at a time
+        SequenceParallelBlock(block, NCCL, scheme="allgather_kv", fused_kv=fused, head_groups=2)
+    with pytest.raises(ValueError, match=f"rank {P - 1}: the fused K/V gather is forward only"):
+        fused(torch.zeros(2, 64, 256, dtype=torch.bfloat16, device="cuda", requires_grad=RANK == P - 1))
     fused.close()
     with pytest.raises(ValueError, match="multiple of 64"):
         MatmulAllGather(COMM, torch.zeros(96, 64, dtype=torch.bfloat16, device="cuda"), None, local=32, batch=1, m=64)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         MatmulAllGather(COMM, torch.zeros(192, 64, device="cuda"), None, local=64, batch=1, m=64)
+
+
+def test_without_the_check_a_bad_input_fails_on_its_own_rank_and_nobody_waits():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(192, 64, device="cuda", generator=generator) / 8).to(torch.bfloat16)
+    xs = [torch.randn(64, 64, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(P)]
+    fused = MatmulAllGather(COMM, weight, None, local=64, batch=1, m=64)
+    with torch.no_grad():
+        if RANK == P - 1:   # the wrong dtype, and no exchange to tell the others
+            with pytest.raises(ValueError, match=f"on rank {P - 1}: x must be"):
+                fused(xs[RANK].float(), check=False)
+        else:
+            fused(xs[RANK], check=False)
+        torch.cuda.synchronize()   # (a rank left waiting would hang here: the watchdog fails the test)
+        out, gathered = fused(xs[RANK], check=False)   # the barriers still pair up: the next call is whole
+        want = torch.cat([torch.nn.functional.linear(x, weight)[:, 64:] for x in xs]).view(1, 64 * P, 128)
+        agree(relative_error(gathered, want) < 1e-2, f"after a refused call: {relative_error(gathered, want):.1e}")
+    fused.close()

@@ -1,7 +1,7 @@
 """A matrix product whose epilogue all-gathers its output: every output tile is written, straight from the SM
 that computed it, into every rank's gathered buffer (peer memory over NVLink). No separate all-gather runs, so no
-pass of its own takes SMs or reads the output back from memory: the GEMM hides the transfer (Flux's idea, a paper
-and library from ByteDance, for tensor parallelism).
+pass of its own takes SMs or reads the output back from memory: the transfer runs under the GEMM's compute, as
+far as the links keep up (Flux's idea, a paper and library from ByteDance, for tensor parallelism).
 
     rank r, tokens r·m .. r·m + m - 1 of every sequence:
 
@@ -10,7 +10,12 @@ and library from ByteDance, for tensor parallelism).
     └─ columns [local, N)     -> gathered[q][batch, r·m + t, :]   for every rank q     (K and V)
                                  TMA stores from the SM straight into rank q's memory
 
-    after it: a barrier (flags in GPU memory) -- every rank's tiles have landed in mine
+    before it: a barrier (flags in GPU memory) -- every rank has read the last call's gathered buffer
+    after it:  a barrier -- every rank's tiles have landed in mine. This leans on what NCCL's and torch's
+               symmetric-memory kernels lean on too: a kernel's stores, the TMA's bulk stores included, are
+               done when the kernel has ended, before the barrier's release store in the next kernel.
+    Both barriers give up on a peer that never comes after ``timeout`` seconds: the next call raises
+    CommTimeoutError (the GPU does not spin forever).
 
 The column tiles are visited in the order local, gathered, gathered, local, ... (``interleave``): every wave of
 tiles then sends about as much over the links, instead of a wave of local tiles leaving the links idle and a
@@ -25,20 +30,12 @@ from __future__ import annotations
 from tplab.gpu_collectives.peer_agreement import MAX_RANKS
 
 
-def _compile():
-    """The Triton kernel (matmul_allgather_kernel.py), imported at first use: Triton only where a GPU path asks."""
-    import triton
-
+def _kernel():
+    """The Triton kernel (matmul_allgather_kernel.py), imported at first use: Triton only where a GPU path asks.
+    (Every descriptor is made on the host, so the kernel needs no global scratch: no allocator to set.)"""
     from tplab.gpu_collectives.matmul_allgather_kernel import matmul_allgather_kernel
 
-    triton.set_allocator(_scratch)   # (global scratch, asked for only by descriptors made on the GPU)
     return matmul_allgather_kernel
-
-
-def _scratch(size, alignment, stream):
-    import torch
-
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 class _Address:
@@ -69,8 +66,9 @@ class MatmulAllGather:
     16-bit floats only (bf16, fp16; fp32 accumulation). ``block``: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
     num_warps[, GROUP_M[, halves]]), default (128, 256, 64, 3, 8, 8, 1) where the shapes allow: the fastest of
     eight tried on 4 H100s for the course project's layer (``halves``: each tile stored as two halves, which
-    frees shared memory; 1.15 ms a call against 1.28 whole); ``interleave``: local and gathered column tiles
-    alternate (module docstring). ``close()`` (collective) frees the peer memory."""
+    frees shared memory: 1.15 ms a call against 1.28 whole, in an experiment not kept); ``interleave``: local
+    and gathered column tiles alternate (module docstring). ``out`` and ``gathered`` are reused by every call.
+    ``close()`` (collective) frees the peer memory."""
 
     def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
                  interleave: bool = True, timeout: float = 30.0):
@@ -93,17 +91,19 @@ class MatmulAllGather:
         elif block_m is None or block_n is None or k % 8 or (n - local) % 8:
             problem = (f"rows per rank m={m} must be a multiple of 64, local={local} of 64, and K={k}, "
                        f"N - local={n - local} of 8 (whole tiles, 16-byte rows for TMA)")
-        everyone = mpi_comm.allgather((problem, tuple(weight.shape), local, batch, m))
+        defaults = (block_m, block_n, 64, 3, 8, 8, 1)             # (+ GROUP_M, halves)
+        self.block = tuple(block or ()) + defaults[len(block or ()):]
+        bm, bn, bk = self.block[:3]
+        if not problem and (len(self.block) != 7 or m % bm or local % bn):
+            problem = f"block {self.block} must be 5 to 7 numbers whose tiles cut m={m} and local={local}"
+        everyone = mpi_comm.allgather((problem, tuple(weight.shape), local, batch, m, self.block, bool(interleave)))
         problems = [f"rank {r}: {p}" for r, (p, *_) in enumerate(everyone) if p]
         if not problems and len({tuple(e[1:]) for e in everyone}) != 1:
-            problems = [f"ranks disagree on (weight shape, local, batch, m): {[e[1:] for e in everyone]}"]
+            problems = [f"ranks disagree on (weight shape, local, batch, m, block, interleave): "
+                        f"{[e[1:] for e in everyone]}"]
         if problems:
             raise ValueError("MatmulAllGather: " + "; ".join(problems))
-        self.block = (tuple(block or (block_m, block_n, 64, 3, 8)) + (8, 1))[:7]  # + GROUP_M, HALVES
-        bm, bn, bk = self.block[:3]
         store_n = bn // 2 if self.block[6] else bn           # the TMA box of a store
-        if m % bm or local % bn:
-            raise ValueError(f"MatmulAllGather: block {self.block} does not tile m={m}, local={local}")
         self.weight, self.bias = weight.contiguous(), None if bias is None else bias.contiguous()
         self.local, self.batch, self.m, self.n, self.k = local, batch, m, n, k
         self.seq = self.size * m
@@ -125,46 +125,56 @@ class MatmulAllGather:
 
     def barrier(self) -> None:
         """Every rank's queued work up to here is done (a kernel on torch's current stream; nothing waits on
-        the host)."""
+        the host). A peer that never comes ends the wait after the timeout: the next call raises."""
         import torch
 
-        from tplab.toolkit.arrays import external_stream
+        self.peers.queue_timed_barrier(torch.cuda.current_stream().cuda_stream)
 
-        with external_stream(torch.cuda.current_stream().cuda_stream):
-            self.peers.queue_barrier()
+    def problem_with(self, x) -> str:
+        """Why ``x`` cannot be this rank's input ("" if it can)."""
+        want = (self.batch * self.m, self.k)
+        if x is None or tuple(x.shape) != want or x.dtype != self.weight.dtype or not x.is_contiguous():
+            got = "nothing" if x is None else f"{x.dtype} {tuple(x.shape)}"
+            return f"x must be contiguous {self.weight.dtype} of shape {want}, not {got}"
+        if x.device != self.weight.device or x.data_ptr() % 16:
+            return f"x must lie on {self.weight.device}, 16-byte aligned (TMA), not on {x.device} at {x.data_ptr():#x}"
+        return ""
 
-    def __call__(self, x, *, check: bool = True):
+    def __call__(self, x, *, check: bool = True, problem: str = ""):
         """x (B·m, K) this rank's rows -> (out (B·m, local), gathered (B, p·m, N - local)). ``check``: the ranks
-        agree on x's shape and dtype first (a host exchange), so a bad one is the same error on every rank."""
+        agree on their inputs first (a host exchange), so a bad one is the same error on every rank. Without it
+        a bad input raises on its own rank only, after queuing the call's two barriers so that its peers do not
+        wait on it (their ``gathered`` then lacks its rows). ``problem``: a caller's own reason to refuse."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        want = (self.batch * self.m, self.k)
-        problem = "" if (tuple(x.shape) == want and x.dtype == self.weight.dtype and x.is_contiguous()) else (
-            f"x must be contiguous {self.weight.dtype} of shape {want}, not {x.dtype} {tuple(x.shape)}")
+        self.peers.raise_pending()          # a peer that timed out in an earlier call's barrier
+        problem = problem or self.problem_with(x)
         if check:
             problems = [f"rank {r}: {p}" for r, p in enumerate(self.peers.mpi.allgather(problem)) if p]
             if problems:
                 raise ValueError("MatmulAllGather: " + "; ".join(problems))
         elif problem:
-            raise ValueError(f"MatmulAllGather: {problem}")
-        bm, bn, bk, stages, warps, group_m, halves = self.block
-        x_desc = TensorDescriptor(x, list(want), [self.k, 1], [bm, bk])
+            self.barrier()
+            self.barrier()
+            raise ValueError(f"MatmulAllGather on rank {self.rank}: {problem}")
+        bm, bn, bk = self.block[:3]
+        x_desc = TensorDescriptor(x, [self.batch * self.m, self.k], [self.k, 1], [bm, bk])
         self.barrier()                      # every rank has read its gathered buffer (the last call's consumer)
-        self.launch(x_desc, want[0])
+        self._launch(x_desc)
         self.barrier()                      # every rank's tiles have landed in my buffer
         return self.out, self.gathered
 
-    def launch(self, x_desc, rows: int) -> None:
-        """The kernel alone, no barrier around it (timing its parts; a call needs both)."""
+    def _launch(self, x_desc) -> None:
         import triton
 
         bm, bn, bk, stages, warps, group_m, halves = self.block
+        rows = self.batch * self.m
         grid = (triton.cdiv(rows, bm) * triton.cdiv(self.n, bn),)
-        _compile()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
-                         *self._gathered_descs, rows, self.n, self.k, self.local, self.m, self.seq,
-                         self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
-                         INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-                         HALVES=halves, num_stages=stages, num_warps=warps)
+        _kernel()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
+                        *self._gathered_descs, rows, self.n, self.k, self.local, self.m, self.seq,
+                        self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
+                        INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+                        HALVES=halves, num_stages=stages, num_warps=warps)
 
     def close(self) -> None:
         """Collective: free the peer memory."""

@@ -178,6 +178,12 @@ class PeerMemory(GpuAgreement):
         kernel("flag_barrier")((1,), (32,), (self.flag_pointers, self.epochs, np.int32(self.rank), self.everyone,
                                              np.int32(BARRIER_SLOT)))
 
+    def queue_timed_barrier(self, stream: int) -> None:
+        """``queue_barrier`` on ``stream``, but a peer that never comes ends the wait after the timeout instead
+        of leaving this GPU spinning: the next ``raise_pending()`` raises CommTimeoutError (and this PeerMemory
+        is unusable from then on)."""
+        self._barrier_on(stream)
+
     @property
     def buffer_address(self) -> int:
         """The device address of this rank's shared buffer (where ``buffer()`` starts)."""

@@ -57,10 +57,15 @@ class SequenceParallelBlock(nn.Module):
         self.attend = attention_scheme(scheme)
         self.block, self.comm, self.scheme, self.layout, self.causal = block, comm, scheme, layout, causal
         self.fused_kv = options.pop("fused_kv", None)
-        if self.fused_kv is not None and (scheme != "allgather_kv" or (self.fused_kv.rank, self.fused_kv.size)
-                                          != (comm.rank, comm.size)):
-            raise ValueError(f"fused_kv is the all-gather scheme's, over the same ranks as comm (scheme {scheme!r}; "
-                             f"rank {self.fused_kv.rank} of {self.fused_kv.size} vs {comm.rank} of {comm.size})")
+        if self.fused_kv is not None:   # (the same on every rank: the same arguments)
+            f = self.fused_kv
+            gathers_otherwise = options.get("head_groups", 1) != 1 or options.get("side_stream") or options.get("gather")
+            if (scheme != "allgather_kv" or f.attention is not block.attention or gathers_otherwise
+                    or (f.rank, f.size) != (comm.rank, comm.size)):
+                raise ValueError("fused_kv: a FusedKV made from this block's attention, for the all-gather scheme "
+                                 "over the same ranks as comm, with no other way to gather (head_groups, "
+                                 f"side_stream, gather); got scheme {scheme!r}, rank {f.rank} of {f.size} vs "
+                                 f"{comm.rank} of {comm.size}")
         self.options = options
 
     def attention(self, x):  # x: (b, s/p, h) my tokens, after norm1
