@@ -207,3 +207,18 @@ def test_the_online_softmax_of_blocks_in_any_order_is_full_attention():
         for k_block, v_block in order:
             softmax.update(q, k_block, v_block)
         agree(torch.allclose(softmax.result(), full, **TOL), differs(softmax.result(), full))
+
+
+def test_the_layer_refuses_a_fused_kv_that_is_not_this_blocks_or_next_another_gather():
+    """(FusedKV itself needs a GPU: tests/gpu/test_gpu_fused_kv.py. Here, the layer's checks of it, on every rank.)"""
+    from types import SimpleNamespace
+
+    block, other = (Block(GPTConfig(n_embd=16, n_head=4, dtype=torch.float64)) for _ in range(2))
+    mine = SimpleNamespace(attention=block.attention, rank=C.rank, size=C.size)
+    SequenceParallelBlock(block, C, scheme="allgather_kv", fused_kv=mine)   # this block's, the all-gather scheme
+    for scheme, fused, options in [("allgather_kv", SimpleNamespace(attention=other.attention, rank=C.rank,
+                                                                     size=C.size), {}),
+                                   ("ring", mine, {}), ("allgather_kv", mine, {"head_groups": 2}),
+                                   ("allgather_kv", mine, {"side_stream": True})]:
+        with pytest.raises(ValueError, match="fused_kv: a FusedKV made from this block's attention"):
+            SequenceParallelBlock(block, C, scheme=scheme, fused_kv=fused, **options)
