@@ -23,8 +23,8 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     compute_only  NullExchange: nothing crosses a link, but every rank still writes p copies of its own K and V
                   block into the gathered tensor (what a real gather writes), and the streamed scheme merges p blocks
     fused_kv      tplab.sequence.FusedKV: Q, K and V in one Triton GEMM whose epilogue writes each K/V tile into
-                  every rank's memory (TMA stores over NVLink), then one barrier: the all-gather hidden in the GEMM
-                  (bf16/fp16, Hopper or newer, Triton with tensor descriptors)
+                  every rank's memory (TMA stores over NVLink), then one barrier: the all-gather run under the GEMM
+                  (about half of its cost hidden on 4x H100; bf16/fp16, Hopper or newer, Triton with descriptors)
     compute_floor nothing moves and nothing is written: the gather hands back a tensor of the gathered shape made
                   once (values wrong by design). The layer's compute alone, the floor under every path
 and, over tplab.comm.nccl, ring attention and Ulysses (--schemes). Ring attention computes each block with a

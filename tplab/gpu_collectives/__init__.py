@@ -18,7 +18,7 @@ GPUs share (CUDA IPC over NVLink).
                         engines, for GEMMs that consume them as they land (tplab.overlap.async_tp)
     copy_engine_calls.py     its calls' handles: a gather's shards as they land, a scatter's pushes
     matmul_allgather.py MatmulAllGather: a Triton GEMM whose epilogue writes each output tile into every rank's
-                        memory (TMA stores over NVLink): an all-gather hidden in the GEMM (tplab.sequence.FusedKV)
+                        memory (TMA stores over NVLink): an all-gather run under the GEMM (tplab.sequence.FusedKV)
 
 CuPy (and Triton) are imported only when one of them is made.
 """

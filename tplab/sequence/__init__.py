@@ -11,7 +11,7 @@
     streamed_kv.py     every rank's K/V block sent to every rank at once (a shard exchange: messages, or the
                        GPUs' copy engines), each folded into the online softmax as soon as it lands
     fused_kv.py        FusedKV: Q/K/V in one GEMM whose epilogue writes K and V into every rank's memory (GPU,
-                       inference; tplab.gpu_collectives.matmul_allgather): the all-gather hidden in the GEMM
+                       inference; tplab.gpu_collectives.matmul_allgather): the all-gather run under the GEMM
     streams.py         a second CUDA stream for the transfers, so they overlap the compute (nothing on the CPU)
     ulysses.py         DeepSpeed Ulysses: all-to-all tokens <-> heads (tplab.collectives.alltoall)
     checks.py          bad input: the same clear error on every rank
