@@ -10,12 +10,13 @@ far as the links keep up (Flux's idea, a paper and library from ByteDance, for t
     └─ columns [local, N)     -> gathered[q][batch, r·m + t, :]   for every rank q     (K and V)
                                  TMA stores from the SM straight into rank q's memory
 
-    before it: a barrier (flags in GPU memory) -- every rank has read the last call's gathered buffer
-    after it:  a barrier -- every rank's tiles have landed in mine. This leans on what NCCL's and torch's
-               symmetric-memory kernels lean on too: a kernel's stores, the TMA's bulk stores included, are
-               done when the kernel has ended, before the barrier's release store in the next kernel.
-    Both barriers give up on a peer that never comes after ``timeout`` seconds: the next call raises
-    CommTimeoutError (the GPU does not spin forever).
+    after it:  a barrier (flags in GPU memory) -- every rank's tiles have landed in mine. This leans on what
+               NCCL's and torch's symmetric-memory kernels lean on too: a kernel's stores, the TMA's bulk stores
+               included, are done when the kernel has ended, before the barrier's release store in the next kernel.
+    The gathered buffer is doubled, calls alternating between the two, so no barrier is needed before the GEMM:
+    the call before this one ended in a barrier that every rank reached after reading the buffer this call
+    writes (read it before your next call, on the calls' stream). The barrier gives up on a peer that never
+    comes after ``timeout`` seconds: the next call raises CommTimeoutError (the GPU does not spin forever).
 
 The column tiles are visited in the order local, gathered, gathered, local, ... (``interleave``): every wave of
 tiles then sends about as much over the links, instead of a wave of local tiles leaving the links idle and a
@@ -67,7 +68,8 @@ class MatmulAllGather:
     num_warps[, GROUP_M[, halves]]), default (128, 256, 64, 3, 8, 8, 1) where the shapes allow: the fastest of
     eight tried on 4 H100s for the course project's layer (``halves``: each tile stored as two halves, which
     frees shared memory: 1.15 ms a call against 1.28 whole, in an experiment not kept); ``interleave``: local
-    and gathered column tiles alternate (module docstring). ``out`` and ``gathered`` are reused by every call.
+    and gathered column tiles alternate (module docstring). ``out`` is reused by every call, and each of the
+    two ``gathered`` buffers by every other call (twice the gathered bytes in peer memory).
     ``close()`` (collective) frees the peer memory."""
 
     def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
@@ -108,16 +110,20 @@ class MatmulAllGather:
         self.local, self.batch, self.m, self.n, self.k = local, batch, m, n, k
         self.seq = self.size * m
         width = n - local
-        nbytes = batch * self.seq * width * weight.element_size()
-        self.peers = PeerMemory(mpi_comm, nbytes, timeout=timeout)
-        self.gathered = torch.as_tensor(self.peers.buffer(nbytes, "uint8"), device=weight.device).view(
-            weight.dtype).view(batch, self.seq, width)             # (B, p·m, N - local): every rank's rows
+        nbytes = -(-batch * self.seq * width * weight.element_size() // 256) * 256      # one buffer, aligned
+        self.peers = PeerMemory(mpi_comm, 2 * nbytes, timeout=timeout)                  # two: calls alternate
+        both = torch.as_tensor(self.peers.buffer(2 * nbytes, "uint8"), device=weight.device)
+        self._gathered = [both[i * nbytes:(i + 1) * nbytes].view(weight.dtype)[:batch * self.seq * width].view(
+            batch, self.seq, width) for i in range(2)]           # (B, p·m, N - local): every rank's rows
         self.out = torch.empty((batch * m, local), dtype=weight.dtype, device=weight.device)
         ring_order = [(self.rank + i) % self.size for i in range(self.size)]   # me, then the next ranks
         shape, strides = [batch * self.seq, width], [width, 1]
-        self._gathered_descs = [TensorDescriptor(_Address(self.peers.data_pointer(q), weight.dtype), shape, strides,
-                                                 [bm, store_n]) for q in ring_order]
-        self._gathered_descs += [self._gathered_descs[0]] * (MAX_RANKS - self.size)
+        self._gathered_descs = []
+        for i in range(2):
+            descs = [TensorDescriptor(_Address(self.peers.data_pointer(q) + i * nbytes, weight.dtype), shape,
+                                      strides, [bm, store_n]) for q in ring_order]
+            self._gathered_descs.append(descs + [descs[0]] * (MAX_RANKS - self.size))
+        self.calls = 0                                           # which buffer the next call writes: calls % 2
         self._w_desc = TensorDescriptor(self.weight, [n, k], [k, 1], [bn, bk])
         self._out_desc = TensorDescriptor(self.out, [batch * m, local], [local, 1], [bm, store_n])
         ratio = n // local                                      # 1 local tile, then ratio - 1 gathered ones
@@ -143,7 +149,7 @@ class MatmulAllGather:
     def __call__(self, x, *, check: bool = True, problem: str = ""):
         """x (B·m, K) this rank's rows -> (out (B·m, local), gathered (B, p·m, N - local)). ``check``: the ranks
         agree on their inputs first (a host exchange), so a bad one is the same error on every rank. Without it
-        a bad input raises on its own rank only, after queuing the call's two barriers so that its peers do not
+        a bad input raises on its own rank only, after queuing the call's barrier so that its peers do not
         wait on it (their ``gathered`` then lacks its rows). ``problem``: a caller's own reason to refuse."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -154,24 +160,25 @@ class MatmulAllGather:
             if problems:
                 raise ValueError("MatmulAllGather: " + "; ".join(problems))
         elif problem:
-            self.barrier()
+            self.calls += 1
             self.barrier()
             raise ValueError(f"MatmulAllGather on rank {self.rank}: {problem}")
         bm, bn, bk = self.block[:3]
         x_desc = TensorDescriptor(x, [self.batch * self.m, self.k], [self.k, 1], [bm, bk])
-        self.barrier()                      # every rank has read its gathered buffer (the last call's consumer)
-        self._launch(x_desc)
+        which = self.calls % 2              # (the call before last wrote it; every rank has read it since)
+        self.calls += 1
+        self._launch(x_desc, self._gathered_descs[which])
         self.barrier()                      # every rank's tiles have landed in my buffer
-        return self.out, self.gathered
+        return self.out, self._gathered[which]
 
-    def _launch(self, x_desc) -> None:
+    def _launch(self, x_desc, gathered_descs) -> None:
         import triton
 
         bm, bn, bk, stages, warps, group_m, halves = self.block
         rows = self.batch * self.m
         grid = (triton.cdiv(rows, bm) * triton.cdiv(self.n, bn),)
         _kernel()[grid](x_desc, self._w_desc, self._out_desc, self.weight if self.bias is None else self.bias,
-                        *self._gathered_descs, rows, self.n, self.k, self.local, self.m, self.seq,
+                        *gathered_descs, rows, self.n, self.k, self.local, self.m, self.seq,
                         self.rank * self.m, RANKS=self.size, HAS_BIAS=self.bias is not None,
                         INTERLEAVE=self.interleave, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
                         HALVES=halves, num_stages=stages, num_warps=warps)
