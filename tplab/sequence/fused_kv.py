@@ -13,7 +13,8 @@ gathered buffer, while the other tiles are still being computed:
     attend_local(q, K, V)                                                   as the all-gather scheme
 
 Same bytes on the links as the all-gather, but no pass of its own: the transfer runs under the GEMM's compute.
-On 4 H100s that hid about half of it (3.53x against NCCL's all-gather's 3.24x; data/README.md). Limits: no RoPE (K is rotated after the projection, so it would leave unrotated), 16-bit weights,
+On 4 H100s that hid about half of it (4.89-4.99 ms a layer against 5.35-5.71 for NCCL's all-gather, the
+compute alone 4.50-4.72; data/README.md). Limits: no RoPE (K is rotated after the projection, so it would leave unrotated), 16-bit weights,
 one node, forward only; the weights are copied when it is made (make it again after changing them).
 
     fused = FusedKV(block.attention, MPI.COMM_WORLD, batch=b, tokens_per_rank=s // p)   # collective
