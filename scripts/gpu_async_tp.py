@@ -192,8 +192,8 @@ def main():
         queued = time.perf_counter() - started
         torch.cuda.synchronize()
         gpu = time.perf_counter() - started
-        for layers, model, async_model, no_transfers in [(1, blocks[0], fast[0], still[0]),
-                                                         (args.layers, stack, fast, still)]:
+        sizes = [(1, blocks[0], fast[0], still[0])] + [(args.layers, stack, fast, still)] * (args.layers > 1)
+        for layers, model, async_model, no_transfers in sizes:          # (--layers 1: the block alone, once)
             forwards = {"compute": no_comm(model), "nccl_comm": nccl_comm(layers), "plain_nccl": lambda m=model: m(x),
                         "sequence_parallel": sp(model), "exchange_alone": exchange_alone(layers),
                         "async_no_transfers": lambda m=no_transfers: m(x_rows),
