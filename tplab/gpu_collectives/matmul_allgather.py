@@ -24,7 +24,7 @@ wave of gathered tiles queueing on them.
 
 One program per tile, on purpose: a persistent kernel (one program per SM walking its tiles, written in Gluon) that
 went on to its next tile while the stores drained took 1.33 ms for the course project's Q/K/V on 4 H100s against
-this kernel's 1.10 on the same machine (1.07 with no stores at all), most likely because the next tile's TMA loads
+this kernel's 1.10 on the same machine (itself 1.07 with no stores at all), most likely because the next tile's TMA loads
 queue behind the stores.
 
 Needs Triton with tensor descriptors (3.4 or later) and a Hopper GPU or newer (TMA), one process per GPU on one
