@@ -44,7 +44,7 @@ def test_every_rank_gets_every_ranks_rows_of_the_product(local, n, k, m, dtype):
     xs = [torch.randn(2 * m, k, device="cuda", generator=generator).to(dtype) for _ in range(P)]  # every rank's
     fused = MatmulAllGather(COMM, weight, bias, local=local, batch=2, m=m)
     with torch.no_grad():
-        for call in range(3):                                       # again: the buffer is reused, call after call
+        for call in range(3):                                       # again: the two buffers alternate
             x = xs[RANK] * (call + 1)
             out, gathered = fused(x)
             want = [torch.nn.functional.linear(xq * (call + 1), weight, bias) for xq in xs]   # (2m, n) each
@@ -52,6 +52,29 @@ def test_every_rank_gets_every_ranks_rows_of_the_product(local, n, k, m, dtype):
             agree(relative_error(out, want[RANK][:, :local]) < 1e-2, f"local part {relative_error(out, want[RANK][:, :local]):.1e}")
             agree(relative_error(gathered, want_gathered) < 1e-2,
                   f"call {call}: gathered {relative_error(gathered, want_gathered):.1e}")
+    fused.close()
+
+
+def test_a_rank_that_reads_late_still_reads_its_own_call():
+    """No barrier before the GEMM: the peers' next call writes into the other buffer, and the call after waits
+    for this rank's barrier. Rank 0 holds its stream ~30 ms before reading each call's gathered rows, while the
+    others run ahead; what it reads must still be that call's, never the next one's."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    local, n, k, m = 256, 768, 256, 128
+    weight = (torch.randn(n, k, device="cuda", generator=generator) / k ** 0.5).to(torch.bfloat16)
+    xs = [torch.randn(2 * m, k, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(P)]
+    fused = MatmulAllGather(COMM, weight, None, local=local, batch=2, m=m)
+    read = []
+    with torch.no_grad():
+        for call in range(4):
+            _, gathered = fused(xs[RANK] * (call + 1))
+            if RANK == 0:
+                torch.cuda._sleep(50_000_000)                   # (GPU cycles, on the calls' stream)
+            read.append(gathered.clone())                       # the read, before the next call
+        for call, got in enumerate(read):
+            want = torch.cat([torch.nn.functional.linear(xq * (call + 1), weight)[:, local:].view(2, m, n - local)
+                              for xq in xs], dim=1)
+            agree(relative_error(got, want) < 1e-2, f"call {call}: {relative_error(got, want):.1e}")
     fused.close()
 
 
