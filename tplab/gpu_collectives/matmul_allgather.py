@@ -67,15 +67,18 @@ class MatmulAllGather:
 
         fused = MatmulAllGather(MPI.COMM_WORLD, w_qkv, b_qkv, local=h_q, batch=b, m=s // p)
         q, gathered = fused(x)     # x (b·m, K) my rows; q (b·m, h_q) mine; gathered (b, p·m, N - h_q) everyone's
-        ...                        # read ``gathered`` before the next call: the peers write into it then
+        ...                        # read ``gathered`` before the next call (on its stream): the call after
+                                   # it writes into this buffer again
 
     16-bit floats only (bf16, fp16; fp32 accumulation). ``block``: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
     num_warps[, GROUP_M[, halves]]), default (128, 256, 64, 3, 8, 8, 1) where the shapes allow: the fastest of
     eight tried on 4 H100s for the course project's layer (``halves``: each tile stored as two halves, which
-    frees shared memory: 1.15 ms a call against 1.28 whole, in an experiment not kept); ``interleave``: local
+    frees shared memory: 1.15 ms a call against 1.28 whole, with two barriers, on one machine, in an experiment
+    not kept); ``interleave``: local
     and gathered column tiles alternate (module docstring). ``out`` is reused by every call, and each of the
     two ``gathered`` buffers by every other call (twice the gathered bytes in peer memory).
-    ``close()`` (collective) frees the peer memory."""
+    Not for CUDA graph capture: which buffer a call writes is a host counter, so a replayed call would
+    always write the same one. ``close()`` (collective) frees the peer memory."""
 
     def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
                  interleave: bool = True, timeout: float = 30.0):
