@@ -22,10 +22,10 @@ The column tiles are visited in the order local, gathered, gathered, local, ... 
 tiles then sends about as much over the links, instead of a wave of local tiles leaving the links idle and a
 wave of gathered tiles queueing on them.
 
-One program per tile, on purpose: a persistent kernel (one program per SM walking its tiles, written in Gluon) that
-went on to its next tile while the stores drained took 1.33 ms for the course project's Q/K/V on 4 H100s against
-this kernel's 1.10 on the same machine (itself 1.07 with no stores at all), most likely because the next tile's TMA loads
-queue behind the stores.
+One program per tile, on purpose: a persistent kernel (one program per SM walking its tiles, written in Gluon)
+that went on to its next tile while the stores drained took 1.33 ms for the course project's Q/K/V on 4 H100s,
+against this kernel's 1.10 on the same machine (itself 1.07 with no stores at all), most likely because the next
+tile's TMA loads queue behind the stores.
 
 Needs Triton with tensor descriptors (3.4 or later) and a Hopper GPU or newer (TMA), one process per GPU on one
 node (CUDA IPC). Forward only (inference): nothing here is differentiable.
@@ -74,11 +74,10 @@ class MatmulAllGather:
     num_warps[, GROUP_M[, halves]]), default (128, 256, 64, 3, 8, 8, 1) where the shapes allow: the fastest of
     eight tried on 4 H100s for the course project's layer (``halves``: each tile stored as two halves, which
     frees shared memory: 1.15 ms a call against 1.28 whole, with two barriers, on one machine, in an experiment
-    not kept); ``interleave``: local
-    and gathered column tiles alternate (module docstring). ``out`` is reused by every call, and each of the
-    two ``gathered`` buffers by every other call (twice the gathered bytes in peer memory).
-    Not for CUDA graph capture: which buffer a call writes is a host counter, so a replayed call would
-    always write the same one. ``close()`` (collective) frees the peer memory."""
+    not kept); ``interleave``: local and gathered column tiles alternate (module docstring). ``out`` is reused
+    by every call, and each of the two ``gathered`` buffers by every other call (twice the gathered bytes in
+    peer memory). Not for CUDA graph capture: which buffer a call writes is a host counter, so a replayed call
+    would always write the same one. ``close()`` (collective) frees the peer memory."""
 
     def __init__(self, mpi_comm, weight, bias, *, local: int, batch: int, m: int, block=None,
                  interleave: bool = True, timeout: float = 30.0):
