@@ -18,10 +18,12 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
     direct_peer   tplab's peer-memory all-gather (tplab.gpu_collectives.peer_memory: CUDA IPC, flags in GPU memory,
                   every peer read at once in one kernel)
     direct_copy_engine  K and V pulled by the copy engines (CopyEngineExchange: no SM), for the all-gather scheme
-                  (with head groups: next to the attention) and the streamed K/V scheme
+                  (with head groups: next to the attention) and the streamed K/V scheme; for ring attention
+                  each step's block pulled from the left neighbour (CopyEngineExchange.start_pass)
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
     compute_only  NullExchange: nothing crosses a link, but every rank still writes p copies of its own K and V
-                  block into the gathered tensor (what a real gather writes), and the streamed scheme merges p blocks
+                  block into the gathered tensor (what a real gather writes), and the streamed scheme and the
+                  ring merge p blocks (each its own: the ring's compute with nothing moving)
     fused_kv      tplab.sequence.FusedKV: Q, K and V in one Triton GEMM whose epilogue writes each K/V tile into
                   every rank's memory (TMA stores over NVLink), then one barrier: the all-gather run under the GEMM
                   (about half of its cost hidden on 4x H100; bf16/fp16, Hopper or newer, Triton with descriptors)
@@ -219,7 +221,8 @@ def fused_kv_works() -> bool:
     return torch.cuda.get_device_capability()[0] >= 9
 
 
-OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups", "side_stream", "fused_kv"}, "streamed_kv": {"exchange"}}  # what each takes
+OPTIONS = {"allgather_kv": {"algorithm", "gather", "head_groups", "side_stream", "fused_kv"},  # what each takes
+           "streamed_kv": {"exchange"}, "ring": {"exchange"}}
 
 
 def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=None):
@@ -245,13 +248,14 @@ def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=N
             from tplab.comm.shard_exchange import NullExchange
 
             paths += [("direct_copy_engine", "tplab CopyEngineExchange (CUDA IPC; the copy engines pull every peer's "
-                       "block over NVLink, no SM; the GPU waits on events)", nccl,
-                       {"exchange": exchange[0], "gather": copy_engine_gather(*exchange)}, {"allgather_kv", "streamed_kv"},
-                       False),
+                       "block over NVLink -- ring attention: the left neighbour's, each step -- no SM; the GPU waits "
+                       "on events and stream barriers)", nccl,
+                       {"exchange": exchange[0], "gather": copy_engine_gather(*exchange)},
+                       {"allgather_kv", "streamed_kv", "ring"}, False),
                       ("compute_only", "NullExchange: nothing moves, every block is this rank's own (values wrong "
                        "by design): the scheme's compute and the gathered tensor's writes", nccl, {"exchange": NullExchange(host.rank, host.size),
                                                                           "gather": null_gather(host.rank, host.size)},
-                       {"allgather_kv", "streamed_kv"}, False)]
+                       {"allgather_kv", "streamed_kv", "ring"}, False)]
     if nccl is not None and fused_kv_works():
         paths += [("fused_kv", "FusedKV: Q/K/V in one Triton GEMM whose epilogue writes each K/V tile into every "
                    "rank's memory (CUDA IPC, TMA stores over NVLink), then one barrier", nccl, {"fused_kv": True},
@@ -453,7 +457,7 @@ def main():
                              "(tplab.layers.attend.cudnn_with_lse = False; the rows' path gets the suffix _flash)")
     parser.add_argument("--eager-merge", action="store_true",
                         help="ring and streamed K/V: each online-softmax merge as eager passes, not the default "
-                             "torch.compile'd kernel (the rows' path gets the suffix _eager)")
+                             "Triton kernel (tplab.sequence.merge_kernel; the rows' path gets the suffix _eager)")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--seq", type=int, default=4096)
@@ -466,7 +470,7 @@ def main():
     parser.add_argument("--watchdog", type=float, default=300.0, help="seconds before a stuck config aborts")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run of the script")
     args = parser.parse_args()
-    OnlineSoftmax.compiled_merge = not args.eager_merge
+    OnlineSoftmax.merge_kernel = not args.eager_merge
     sys.modules["tplab.layers.attend"].cudnn_with_lse = not args.flash_blocks   # (the package exports attend())
     args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
     args.head_groups = [int(g) for g in args.head_groups.split(",")]

@@ -143,6 +143,30 @@ def test_ring_starts_the_next_transfer_before_computing_on_the_current_block(mon
     agree(kinds == expected, f"order of operations: {kinds}")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_through_a_shard_exchange_equals_full_attention(causal, layout):
+    """The ring's steps through ``exchange.start_pass`` (MessageExchange: one isend/irecv pair per step), two
+    rings in a row on one exchange; through NullExchange nothing moves, so every step folds my own block again:
+    without a mask, attention over p copies of my keys equals attention over my keys once."""
+    from tplab.comm.shard_exchange import MessageExchange, NullExchange
+
+    exchange = MessageExchange(C)  # (collective)
+    q, k, v = qkv(P, seed=90)
+    expected = mine(full_attention(q, k, v, causal), layout)
+    with torch.no_grad():
+        for _ in range(2):
+            out = ring_attention(mine(q, layout), mine(k, layout), mine(v, layout), C, causal=causal, layout=layout,
+                                 exchange=exchange)
+            agree(torch.allclose(out, expected, **TOL), f"differs by {(out - expected).abs().max():.2e}")
+        if not causal:
+            q_mine, k_mine, v_mine = mine(q, layout), mine(k, layout), mine(v, layout)
+            alone = ring_attention(q_mine, k_mine, v_mine, C, causal=False, layout=layout,
+                                   exchange=NullExchange(RANK, P))
+            own = full_attention(q_mine, k_mine, v_mine, causal=False)
+            agree(torch.allclose(alone, own, **TOL), f"NullExchange: differs by {(alone - own).abs().max():.2e}")
+
+
 def block_config(kv_heads, llama=False):
     if llama:  # RoPE (rotations by global positions), SwiGLU, RMSNorm, no biases
         return GPTConfig(n_embd=8 * P, n_head=2 * P, n_kv_head=kv_heads, mlp="swiglu", norm="rmsnorm",

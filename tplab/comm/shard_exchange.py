@@ -20,6 +20,9 @@ both collectives into their p shards and each shard can move while another shard
     W_r(scatter.out_for(rank))                    # my own rows' partial
     y_shard = scatter.finish()                    # mine + what every peer sent me, summed over ranks
 
+    passing = exchange.start_pass(block)          # a ring's step: my block to the right, the left's to me
+    block = passing.wait()                        # the block from the left (tplab.sequence.ring_pass)
+
 Three exchanges implement this:
 
     MessageExchange(comm)     any tplab communicator with point-to-point (MPI on CPU ranks): isend/irecv
@@ -101,6 +104,14 @@ class MessageExchange:
         self._in_flight.append(MessageScatter(self, slots, receives, tag))
         return self._in_flight[-1]
 
+    def start_pass(self, block: torch.Tensor) -> "MessagePass":
+        tag = self._agree("start_pass", block)
+        block, left, right = block.contiguous(), (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        incoming = torch.empty_like(block)
+        requests = [self.comm.irecv(_bytes(incoming), left, tag), self.comm.isend(_bytes(block), right, tag)]
+        self._in_flight.append(MessagePass(self, incoming, requests))
+        return self._in_flight[-1]
+
     def abandon(self) -> None:
         """After an error mid-block: forget the calls in flight without waiting for them (a peer that failed
         too never sends what they wait for). Their buffers are kept, since MPI may still write into them;
@@ -128,6 +139,17 @@ class MessageGather:
     def done(self) -> None:
         self.wait_posted()
         self._exchange._in_flight = [c for c in self._exchange._in_flight if c is not self]
+
+
+class MessagePass:
+    def __init__(self, exchange, incoming, requests):
+        self._exchange, self._incoming, self._requests = exchange, incoming, requests
+
+    def wait(self) -> torch.Tensor:
+        for request in self._requests:
+            request.wait()
+        self._exchange._in_flight = [c for c in self._exchange._in_flight if c is not self]
+        return self._incoming
 
 
 class MessageScatter:
@@ -173,6 +195,9 @@ class NullExchange:
             self._slots[key] = torch.zeros((self.size, *like.shape), dtype=like.dtype, device=like.device)
         return _NullScatter(self._slots[key], self.rank)
 
+    def start_pass(self, block):
+        return _NullPass(block)
+
     def refuse(self, what: str, problem: str, like=None) -> None:
         from tplab.comm.base import CollectiveArgumentError
 
@@ -191,6 +216,14 @@ class _NullGather:
 
     def done(self):
         pass
+
+
+class _NullPass:
+    def __init__(self, block):
+        self._block = block
+
+    def wait(self):
+        return self._block
 
 
 class _NullScatter:

@@ -26,6 +26,8 @@ between calls (a call writes a half only when the call before last is over every
                        NVLink, tile by tile (SMs store it; no copy).
     finish():          the caller's stream waits for my pushes, barrier ("every push has landed
                        everywhere"), then one reduction over my p slots -> my rows of the sum.
+    start_pass(block): a ring's step (ring attention): the copy engine pulls my left neighbour's block into
+                       a ring area of three slots, made by the first pass (copy_engine_ring.py explains it).
 
 Why one peer at a time (``peers_at_once=1``): the copy engines of an H100 carry about 340 GB/s to one peer
 but only 220-230 GB/s in all when they talk to three at once, so one at a time lands the first shard three
@@ -92,6 +94,7 @@ class CopyEngineExchange:
         self.device = cupy.cuda.Device().id
         self.gather_memory = PeerMemory(mpi_comm, 2 * self.slot)                 # halves of one slot
         self.scatter_memory = None     # halves of p slots, p times the gather area: made by the first scatter
+        self.ring = None               # a ring's three slots (copy_engine_ring.py): made by the first pass
         # one barrier sequence per area, each in the order of its calls (a barrier waits for ">= its number":
         # numbers of two streams would overtake each other; see _check)
         self.gather_barriers = StreamBarriers(self.gather_memory)
@@ -148,6 +151,11 @@ class CopyEngineExchange:
         elif what == "start_gather" and "gather" in self._open and self._open["gather"].captured != capturing:
             problem = ("the last gather is still open across a CUDA graph capture's edge (its events belong to "
                        "one side only): call its done() on the side that started it")
+        elif capturing and what == "start_pass":
+            problem = ("a ring pass cannot be captured in a CUDA graph (its barriers are counted: a replay would "
+                       "find their numbers reached); run the ring eagerly")
+        elif what == "start_pass" and "pass" in self._open:
+            problem = "the last ring pass has not been waited for (wait() on it first)"
         elif what == "start_scatter" and "scatter" in self._open:
             problem = "the last scatter has not finished (its barrier is what makes the next one's pushes safe)"
         self.calls += 1
@@ -227,6 +235,16 @@ class CopyEngineExchange:
         self._open["gather"] = CopyEngineGather(self, caller, shard, landed, events, published, self._capturing)
         return self._open["gather"]
 
+    def start_pass(self, block):
+        """A ring's step: my block to my right neighbour, the left's to me (copy_engine_ring.py)."""
+        caller = self._check(block, "start_pass")
+        if self.ring is None:          # (collective: every rank has just agreed to this call)
+            from tplab.gpu_collectives.copy_engine_ring import CopyEngineRing
+
+            self.ring = CopyEngineRing(self)
+        self._open["pass"] = self.ring.start_pass(block, caller)
+        return self._open["pass"]
+
     def start_scatter(self, like) -> "CopyEngineScatter":
         caller = self._check(like, "start_scatter")
         if self.scatter_memory is None:  # (collective: every rank has just agreed to this call; a program that
@@ -273,5 +291,6 @@ class CopyEngineExchange:
         """Collective: free the shared memory."""
         self._views.clear()
         self.gather_memory.close()
-        if self.scatter_memory is not None:
-            self.scatter_memory.close()
+        for area in (self.scatter_memory, self.ring):
+            if area is not None:
+                area.close()

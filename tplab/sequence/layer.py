@@ -28,13 +28,14 @@ from torch import nn
 
 from tplab.sequence.allgather_kv import allgather_kv_attention, attend_local, start_kv_gathers
 from tplab.sequence.layout import my_chunks
-from tplab.sequence.ring import ring_attention
+from tplab.sequence.ring import ring_attention, start_ring
 from tplab.sequence.streamed_kv import start_streamed_kv, streamed_kv_attention
 from tplab.sequence.ulysses import ulysses_attention
 
 SCHEMES = {"allgather_kv": allgather_kv_attention, "ring": ring_attention, "ulysses": ulysses_attention,
            "streamed_kv": streamed_kv_attention}
-STARTS = {"allgather_kv": start_kv_gathers, "streamed_kv": start_streamed_kv}  # K/V leave before Q is computed
+STARTS = {"allgather_kv": start_kv_gathers, "streamed_kv": start_streamed_kv,  # K/V leave before Q is computed
+          "ring": start_ring}
 
 
 def attention_scheme(name: str):
@@ -45,10 +46,10 @@ def attention_scheme(name: str):
 
 class SequenceParallelBlock(nn.Module):
     """``block``: a ``tplab.models.gpt.Block`` (its modules are used, not copied). ``options`` go to the
-    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``, ``side_stream``; streamed K/V:
-    ``exchange``; all: ``check``). K and V are computed before Q: the all-gather and streamed K/V schemes
-    start moving them, and compute Q (on a GPU, where the transfers run on other streams or copy engines:
-    while they travel). All-gather K/V on GPUs, inference: ``fused_kv=FusedKV(...)`` (fused_kv.py) makes Q, K
+    attention scheme (all-gather K/V: ``algorithm``, ``gather``, ``head_groups``, ``side_stream``; streamed K/V
+    and ring: ``exchange``; all: ``check``). K and V are computed before Q: the all-gather, streamed K/V and
+    ring schemes start moving them, and compute Q (on a GPU, where the transfers run on other streams or copy
+    engines: while they travel). All-gather K/V on GPUs, inference: ``fused_kv=FusedKV(...)`` (fused_kv.py) makes Q, K
     and V in one GEMM that writes K and V into every rank's memory as it computes them."""
 
     def __init__(self, block: nn.Module, comm, *, scheme: str = "allgather_kv", layout: str = "contiguous",

@@ -30,8 +30,13 @@ the (m, l, acc) recurrence above is what happens *inside* the block's kernel, ti
 
 Every block folded in must leave each query row at least one visible key (true for the blocks the
 schemes fold in: a causal diagonal block always shows the query its own key), so lse stays finite and no
-exp(-inf - -inf) appears. The running (out, lse) are float32 at least (bf16 inputs), as FlashAttention's
-sums are; each block's out comes back in the inputs' dtype, as the kernel writes it.
+exp(-inf - -inf) appears. Merges are summed in float32 at least (bf16 inputs), as FlashAttention's sums
+are, and the running (out, lse) kept so; each block's out comes back in the inputs' dtype, as the kernel
+writes it. Bytes matter here (each merge reads and writes the whole output: at the course project's size a
+merge is memory-bound), so the first block is kept as the kernel wrote it (the next merge widens it as it
+reads it) and the last merge, told it is ``final``, writes the inputs' dtype at once. Counted in bf16
+outputs (O), p blocks then cost 5(p-1)-2 O of memory traffic instead of 5(p-1)+6 O (widening the first block,
+casting the sum at the end): at p = 4 and the course project's size (O = 42 MB), 0.55 GB instead of 0.88.
 """
 
 from __future__ import annotations
@@ -44,41 +49,44 @@ from tplab.layers.attend import attend_with_lse
 
 
 class OnlineSoftmax:
-    # True: on a GPU, each merge is one kernel that torch.compile makes of the formula (reads out and out_b
-    # once, writes out once) instead of two in-place passes over out (and three small ones over lse): the
-    # course project's bf16 layer on 4 GPUs, ring 6.78 -> 6.50 ms. Compiled once per shape (seconds, at the
-    # first call); where torch.compile fails (no Triton, no compiler), the eager passes, with a warning.
-    compiled_merge = True
+    # True: on a GPU, each merge is one Triton kernel (merge_kernel.py: reads out and out_b once, writes out
+    # once, and costs the host little) instead of two in-place passes over out (and three small ones over lse).
+    # Where Triton cannot run it (none installed, no compiler), the eager passes, with a warning.
+    merge_kernel = True
 
     def __init__(self, q: torch.Tensor):  # q: (b, n, sq, d), the queries whose outputs we accumulate
         self.out_dtype = q.dtype
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        self.acc_dtype = torch.promote_types(q.dtype, torch.float32)
         b, n, sq, d = q.shape
-        self.out = torch.zeros((b, n, sq, d), dtype=acc_dtype, device=q.device)  # attention over keys seen so far
-        self.lse = torch.full((b, n, sq), float("-inf"), dtype=acc_dtype, device=q.device)  # their log-sum-exp
+        self.out = torch.zeros((b, n, sq, d), dtype=self.acc_dtype, device=q.device)  # attention over keys seen so far
+        self.lse = torch.full((b, n, sq), float("-inf"), dtype=self.acc_dtype, device=q.device)  # their log-sum-exp
         self.empty = True  # no key seen yet
 
-    def update(self, q, k, v, causal_diagonal: bool = False) -> None:
+    def update(self, q, k, v, causal_diagonal: bool = False, final: bool = False) -> None:
         """Fold in keys k and values v (b, n, sk, d). ``causal_diagonal``: q and k cover the same
-        positions, so query i may only see keys 0..i of this block."""
-        self.merge(*attend_with_lse(q, k, v, causal=causal_diagonal))
+        positions, so query i may only see keys 0..i of this block. ``final``: no block follows (see merge)."""
+        self.merge(*attend_with_lse(q, k, v, causal=causal_diagonal), final=final)
 
-    def merge(self, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-        """Fold in the attention over another set of keys: out_b (b, n, sq, d) with its lse_b (b, n, sq)."""
+    def merge(self, out_b: torch.Tensor, lse_b: torch.Tensor, final: bool = False) -> None:
+        """Fold in the attention over another set of keys: out_b (b, n, sq, d) with its lse_b (b, n, sq).
+        ``final``: no block follows, so the merge writes the result in the queries' dtype (bf16: half the
+        bytes of a float32 sum, and no separate cast). A block merged after it still works, rounded once more."""
         lse_b = lse_b.to(self.lse.dtype)
-        if self.empty:  # the first block is the summary (the formula gives the same, with two more passes)
-            self.out, self.lse, self.empty = out_b.to(self.out.dtype), lse_b, False
+        if self.empty:  # the first block is the summary (the formula gives the same, with two more passes); kept
+            self.out, self.lse, self.empty = out_b, lse_b, False  # in its dtype: the next merge widens it as it reads
             return
-        if self.out.is_cuda and OnlineSoftmax.compiled_merge:
+        if self.out.is_cuda and self.acc_dtype == torch.float32 and OnlineSoftmax.merge_kernel:
             try:
-                with _more_graphs():
-                    self.out, self.lse = _compiled_merge()(self.out, self.lse, out_b, lse_b)
+                from tplab.sequence.merge_kernel import merge
+
+                self.out, self.lse = merge(self.out, self.lse, out_b, lse_b, self.out_dtype if final else self.acc_dtype)
                 return
-            except Exception as e:  # noqa: BLE001 - any compiler failure: the same formula, eagerly
-                OnlineSoftmax.compiled_merge = False
-                warnings.warn(f"OnlineSoftmax: torch.compile of the merge failed ({type(e).__name__}: {e}); "
-                              "merging eagerly from now on", RuntimeWarning, stacklevel=2)
+            except Exception as e:  # noqa: BLE001 - any failure to build or launch it: the same formula, eagerly
+                OnlineSoftmax.merge_kernel = False
+                warnings.warn(f"OnlineSoftmax: the merge kernel failed ({type(e).__name__}: {e}); merging eagerly "
+                              "from now on", RuntimeWarning, stacklevel=2)
         lse = torch.logaddexp(self.lse, lse_b)
+        self.out = self.out.to(self.acc_dtype)  # (the first block's, widened once; a no-op after)
         # in place, one pass each: out = exp(lse_old - lse)·out, then += exp(lse_b - lse)·out_b
         self.out.mul_(torch.exp(self.lse - lse).unsqueeze(-1)).addcmul_(out_b, torch.exp(lse_b - lse).unsqueeze(-1))
         self.lse = lse
@@ -86,26 +94,3 @@ class OnlineSoftmax:
     def result(self) -> torch.Tensor:
         return self.out.to(self.out_dtype)  # (b, n, sq, d)
 
-
-def _merge(out, lse, out_b, lse_b):
-    new = torch.logaddexp(lse, lse_b)
-    return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
-
-
-_compiled = None
-
-
-def _compiled_merge():
-    global _compiled
-    if _compiled is None:
-        # static shapes: a kernel per shape (measured: dynamic shapes made the merge slower than the eager
-        # passes); a run of many layouts and sizes may then need more graphs than Dynamo's default limit,
-        # after which it would run the formula eagerly without a word, so the limit is raised for this call
-        _compiled = torch.compile(_merge, dynamic=False)
-    return _compiled
-
-
-def _more_graphs():
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(64, getattr(config, name))})

@@ -12,11 +12,13 @@ online softmax (online_softmax.py) as it passes by:
     out = the merged attention of every block
 
 The transfer of the next block is started *before* the compute on the current one, so the two can
-overlap: when one block's attention takes longer than one block's trip, communication is hidden.
-(Whether it really overlaps depends on the transport: host MPI on shared memory moves most bytes
-inside its calls (``test``, ``wait``). A GPU transport queues its transfers on the caller's current
-stream, where they would wait for the compute queued before them: so on a GPU the transfers go on a
-second stream (streams.py), the compute stream waiting for a block's arrival only when it needs it.)
+overlap: when one block's attention takes longer than one block's trip, communication is hidden. The
+first block leaves as soon as K and V exist (``start_ring``): in the layer it travels while Q is computed.
+What moves a block is the transport's business (ring_pass.py): messages on the communicator (host MPI
+moves most bytes inside its calls, ``test`` and ``wait``; NCCL send/recv run on a second CUDA stream,
+streams.py, the compute stream waiting for a block's arrival only when it needs it), or a shard
+exchange's ``start_pass`` (on the GPUs of one node, the copy engines pull the left neighbour's block,
+with no SM taken from the attention).
 
 Each block's attention is one fused kernel that returns the block's log-sum-exp next to its output
 (``attend_with_lse``: cuDNN's or FlashAttention's kernel on a GPU); the online softmax merges the (out, lse) pairs, so no
@@ -44,7 +46,7 @@ from tplab.sequence.allgather_kv import repeat_kv
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.online_softmax import OnlineSoftmax
-from tplab.sequence.streams import SideStream
+from tplab.sequence.ring_pass import MessagePasses
 
 
 def causal_relation(query_chunk: int, key_chunk: int) -> str:
@@ -54,18 +56,21 @@ def causal_relation(query_chunk: int, key_chunk: int) -> str:
     return "diagonal" if key_chunk == query_chunk else "future"
 
 
-def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict) -> None:
+def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict, final: bool = False) -> None:
     """Fold one rank's keys and values ``kv`` (2, b, n_kv, s/p, d), the sequence chunks ``key_chunks``, into
     the online softmax of each of my query chunks (``queries``: [(chunk index, (b, n, L, d)), ...]),
-    skipping chunk pairs entirely in the future; counts the query-key pairs scored in ``stats``."""
+    skipping chunk pairs entirely in the future; counts the query-key pairs scored in ``stats``.
+    ``final``: no block follows (each query chunk's last merge then writes the result's dtype)."""
     heads, length = queries[0][1].shape[1], queries[0][1].shape[2]
     keys, values = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)  # (b, n, s/p, d)
-    for key_chunk, k_chunk, v_chunk in zip(key_chunks, keys.split(length, dim=2), values.split(length, dim=2)):
-        for (query_chunk, q_chunk), acc in zip(queries, softmax):
-            relation = causal_relation(query_chunk, key_chunk) if causal else "past"
-            if relation == "future":
-                continue  # every key is in every query's future: nothing to compute
-            acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal")
+    chunks = list(zip(key_chunks, keys.split(length, dim=2), values.split(length, dim=2)))
+    for (query_chunk, q_chunk), acc in zip(queries, softmax):
+        visible = [(k_chunk, v_chunk, causal_relation(query_chunk, key_chunk) if causal else "past")
+                   for key_chunk, k_chunk, v_chunk in chunks]
+        visible = [chunk for chunk in visible if chunk[2] != "future"]  # future keys: nothing to compute
+        for i, (k_chunk, v_chunk, relation) in enumerate(visible):
+            acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal",
+                       final=final and i == len(visible) - 1)
             stats["scores"] += length * length / (2 if relation == "diagonal" else 1)
 
 
@@ -76,44 +81,65 @@ def refuse_gradients(*tensors, scheme: str = "ring attention") -> None:
                                   "scheme for gradients")
 
 
-def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous", check: bool = True,
-                   stats: dict | None = None) -> torch.Tensor:
+class RingAttention:
+    """This rank's K and V on their trip around the ring; ``attend(q)`` folds in each block as it passes.
+    Made by ``start_ring``, which starts the first transfer (the layer computes Q while it travels)."""
+
+    def __init__(self, k, v, comm, exchange, layout):
+        self.rank, self.size, self.layout = comm.rank, comm.size, layout
+        self.passes = MessagePasses(comm) if exchange is None else exchange
+        self.kv = torch.stack([k, v]).contiguous()  # (2, b, n_kv, s/p, d): one message per step
+        self.passing = self.passes.start_pass(self.kv) if self.size > 1 else None  # the first block leaves now
+
+    def attend(self, q, *, causal: bool = True, stats: dict | None = None) -> torch.Tensor:
+        """My queries (b, n, s/p, d) against every rank's block  ->  (b, n, s/p, d)."""
+        p, rank, kv = self.size, self.rank, self.kv
+        stats = {} if stats is None else stats
+        for key in ("scores", "compute_s", "wait_s"):
+            stats.setdefault(key, 0)
+        try:
+            refuse_gradients(q, scheme="ring attention")
+            mine = my_chunks(rank, p, self.layout)
+            length = q.shape[2] // len(mine)  # tokens per chunk
+            queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
+            softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
+            for step in range(p):
+                owner = (rank - step) % p  # whose tokens' keys and values we hold in this step
+                if 0 < step < p - 1:  # start moving the next block now, so it can travel while we compute
+                    self.passing = self.passes.start_pass(kv)
+                started = time.perf_counter()
+                fold_block(softmax, queries, kv, my_chunks(owner, p, self.layout), causal=causal, stats=stats,
+                           final=step == p - 1)
+                stats["compute_s"] += time.perf_counter() - started
+                if step < p - 1:
+                    started = time.perf_counter()
+                    kv = self.passing.wait()  # (GPU: the compute stream waits for the block, not the host)
+                    stats["wait_s"] += time.perf_counter() - started
+        except BaseException:
+            self.passes.abandon()  # (a peer that failed too may never send: nothing more waits for it)
+            raise
+        return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
+
+
+def start_ring(k, v, comm, *, queries, layout: str = "contiguous", exchange=None, check: bool = True) -> RingAttention:
+    """Start this rank's k, v (b, n_kv, s/p, d) around the ring. ``queries``: q, or a tensor of q's shape and
+    dtype on the meta device (the layer computes q while the first block travels). ``exchange``: a shard
+    exchange whose ``start_pass`` moves each step's block (ring_pass.py; default: messages on ``comm``);
+    ``check``: agree on the shapes first."""
+    refuse_gradients(k, v)
+    if check:
+        check_attention_inputs(queries, k, v, comm, layout)
+    return RingAttention(k, v, comm, exchange, layout)
+
+
+def ring_attention(q, k, v, comm, *, causal: bool = True, layout: str = "contiguous", exchange=None,
+                   check: bool = True, stats: dict | None = None) -> torch.Tensor:
     """q (b, n, s/p, d), k, v (b, n_kv, s/p, d): this rank's tokens  ->  (b, n, s/p, d).
 
-    ``stats`` (a dict, optional) accumulates what this rank did: ``scores`` (query-key pairs computed,
-    per batch and head), ``compute_s`` and ``wait_s`` (seconds on the host clock: meaningful on the CPU;
-    on a GPU the kernels run asynchronously)."""
+    ``exchange``: what moves the blocks (default: messages on ``comm``; ring_pass.py). ``stats`` (a dict,
+    optional) accumulates what this rank did: ``scores`` (query-key pairs computed, per batch and head),
+    ``compute_s`` and ``wait_s`` (seconds on the host clock: meaningful on the CPU; on a GPU the kernels
+    run asynchronously)."""
     refuse_gradients(q, k, v)
-    if check:
-        check_attention_inputs(q, k, v, comm, layout)
-    p, rank = comm.size, comm.rank
-    right, left = (rank + 1) % p, (rank - 1) % p
-    mine = my_chunks(rank, p, layout)
-    length = q.shape[2] // len(mine)  # tokens per chunk
-    queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
-    softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
-    stats = {} if stats is None else stats
-    for key in ("scores", "compute_s", "wait_s"):
-        stats.setdefault(key, 0)
-
-    kv = torch.stack([k, v]).contiguous()  # (2, b, n_kv, s/p, d): one message per step
-    side = SideStream(kv.device)  # GPU: the transfers' stream; CPU: does nothing
-    for step in range(p):
-        owner = (rank - step) % p  # whose tokens' keys and values we hold in this step
-        if step < p - 1:  # start moving the next block now, so it can travel while we compute
-            with side.after_compute(kv):  # (GPU: once kv is ready; queued on the side stream)
-                incoming = torch.empty_like(kv)
-                transfer = [comm.irecv(incoming, left, tag=step), comm.isend(kv, right, tag=step)]
-                transfer[0].test()  # nudge: MPI starts moving the bytes; a transport that batches nonblocking
-                #                     operations until a wait or test (tplab.comm.nccl) issues them now
-            arrived = side.record()
-        started = time.perf_counter()
-        fold_block(softmax, queries, kv, my_chunks(owner, p, layout), causal=causal, stats=stats)
-        stats["compute_s"] += time.perf_counter() - started
-        if step < p - 1:
-            started = time.perf_counter()
-            comm.waitall(transfer)  # (GPU transports: queued, not done; the next line orders the GPU)
-            side.wait(arrived, incoming)  # the compute stream uses the block only once it has arrived
-            stats["wait_s"] += time.perf_counter() - started
-            kv = incoming
-    return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
+    ring = start_ring(k, v, comm, queries=q, layout=layout, exchange=exchange, check=check)
+    return ring.attend(q, causal=causal, stats=stats)

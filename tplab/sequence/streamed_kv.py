@@ -81,7 +81,7 @@ class StreamedKV:
             softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
             for owner in self.gathered.order:  # mine first, then r+1, r+2, ...
                 fold_block(softmax, queries, self.gathered.shard(owner), my_chunks(owner, self.size, self.layout),
-                           causal=causal, stats=stats)
+                           causal=causal, stats=stats, final=owner == self.gathered.order[-1])
         except BaseException:
             # a peer that failed too may never send its block: do not wait for it; the exchange keeps this
             # call's buffers (MPI may still write into them) and refuses or skips what the call left open

@@ -1,0 +1,125 @@
+"""The ring's step through the copy engines (``CopyEngineExchange.start_pass``): every rank pulls its left
+neighbour's block over NVLink.
+
+Ring attention (tplab.sequence.ring) passes blocks around the ring: at every step each rank sends the block
+it holds to the right and receives the next one from the left. Here the block a rank holds lies in its
+shared memory (CUDA IPC: an area of three slots, one block each, made by the exchange's first pass), so a
+step is one copy per rank, made by a copy engine, with no SM taken from the attention:
+
+    start_pass(block), queued on the ring's own stream (i: the slot that holds my block):
+        wait for the caller's stream, as it was    the compute that read slot i+1 is done (it was queued
+          at the call of the pass before            before that call: the rule below)
+        block -> slot i+1, i = i+1                 only if it is not in slot i already: a ring's first pass (a
+                                                   local copy; this one waits for the caller's stream as it is now)
+        barrier with every peer                    stream memory operations, no kernel (copy_engine.StreamBarriers)
+        my slot i+1 <- the left's slot i           the copy engine pulls over NVLink
+    wait():  the caller's stream (not the host) waits for the pull; returns my slot i+1 as a tensor, which
+             the next pass forwards from where it lies (i becomes i+1)
+
+Why three slots: with two, a pass would overwrite the block the caller is computing on, so it could start
+only when that compute ends, and the ring would move one block at a time with the compute. With three, a pass
+overwrites the block of two passes before, and the ring's transfers can run a step ahead: the second block
+travels while the layer still computes Q, and a slow step of either kind is absorbed by the next.
+
+Why one barrier per pass is enough (every rank makes the same passes, so i is the same on every rank):
+  - the left's slot i holds its block: its pull (or copy) into it was queued before it reached the barrier;
+  - my slot i+1 was last read by my right neighbour's pull two passes before, queued before it reached the
+    barrier of the pass before this one, and by my own compute, which the ring's stream waited for;
+  - a new ring copies my block into slot i+1 the same way, after the caller's whole stream.
+So a block that ``wait()`` returned may be rewritten once the pass after next starts on the GPU: use it before
+you start the next pass but one (ring attention folds each block right after it arrives: in time).
+
+Bytes: one block per rank per pass, each GPU sending to one peer and receiving from another at once, which
+is what a copy engine does best (about 340 GB/s to one peer on an H100). A ring's first pass also copies my
+block into the shared area (a local copy, at memory speed). Counted barriers: not for CUDA graph capture
+(a replay would find their numbers reached); the exchange refuses a captured pass.
+"""
+
+from __future__ import annotations
+
+from tplab.gpu_collectives.copy_engine import StreamBarriers
+from tplab.gpu_collectives.copy_engine_calls import _copy, _cupy_stream
+from tplab.gpu_collectives.peer_memory import PeerMemory
+
+SLOTS = 3  # blocks in the ring's area (the module docstring says why three)
+
+
+class CopyEngineRing:
+    """The shared area, barriers and stream of an exchange's ring passes (made by its first pass:
+    collective)."""
+
+    def __init__(self, exchange):
+        import cupy
+        import torch
+
+        self.exchange, self.rank, self.size, self.slot = exchange, exchange.rank, exchange.size, exchange.slot
+        torch.cuda.empty_cache()   # (torch's cached blocks back to the GPU: the area is a plain cudaMalloc)
+        with cupy.cuda.Device(exchange.device):
+            self.memory = PeerMemory(exchange.mpi, SLOTS * self.slot)
+        self.barriers = StreamBarriers(self.memory)
+        with torch.cuda.device(exchange.device):
+            self.stream = torch.cuda.Stream()
+        self.held = 0            # the slot that holds the block my next pass sends on
+        self._called = None      # the caller's stream at the last pass's call (an event)
+        self._views = {}         # tensors over my slots, by (slot, shape, dtype)
+
+    def _pointer(self, rank: int, slot: int) -> int:
+        return self.memory.data_pointer(rank) + slot * self.slot
+
+    def start_pass(self, block, caller) -> "CopyEnginePass":
+        import torch
+
+        block = block.contiguous()                                   # (on the caller's stream, before the waits)
+        nbytes = block.numel() * block.element_size()
+        called = torch.cuda.Event()
+        called.record(caller)
+        if block.data_ptr() != self._pointer(self.rank, self.held):  # a new ring: my block into the next slot
+            self.stream.wait_event(called)
+            self.held = (self.held + 1) % SLOTS
+            _copy(self._pointer(self.rank, self.held), block.data_ptr(), nbytes, self.stream, self.exchange.piece)
+            block.record_stream(self.stream)                         # (the allocator: still being read)
+        elif self._called is not None:
+            self.stream.wait_event(self._called)                     # the compute on the slot I now overwrite
+        self._called = called
+        self.barriers.queue(_cupy_stream(self.stream))
+        left, target = (self.rank - 1) % self.size, (self.held + 1) % SLOTS
+        _copy(self._pointer(self.rank, target), self._pointer(left, self.held), nbytes, self.stream,
+              self.exchange.piece)
+        self.held = target
+        return CopyEnginePass(self.exchange, caller, self.stream.record_event(),
+                              self._view(target, tuple(block.shape), block.dtype))
+
+    def _view(self, slot: int, shape, dtype):
+        """My slot as a tensor of ``shape`` and ``dtype`` (no copy), made once: a tensor over foreign memory
+        costs the host tens of microseconds, and the host must stay ahead of the GPU."""
+        import cupy
+        import torch
+
+        key = (slot, shape, dtype)
+        if key not in self._views:
+            memory = cupy.cuda.UnownedMemory(self._pointer(self.rank, slot), self.slot, self, self.exchange.device)
+            count = 1
+            for n in shape:
+                count *= n
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            with torch.inference_mode(False):   # (a view made under inference_mode could not be written outside it)
+                raw = torch.as_tensor(cupy.ndarray((count * itemsize,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)),
+                                      device=f"cuda:{self.exchange.device}")
+                self._views[key] = raw.view(dtype).view(shape)
+        return self._views[key]
+
+    def close(self) -> None:
+        self._views.clear()
+        self.memory.close()
+
+
+class CopyEnginePass:
+    def __init__(self, exchange, caller, landed, block):
+        self._exchange, self._caller, self._landed, self._block = exchange, caller, landed, block
+
+    def wait(self):
+        """The block from the left, once the caller's stream has waited for its pull (the host does not)."""
+        self._caller.wait_event(self._landed)
+        if self._exchange._open.get("pass") is self:
+            del self._exchange._open["pass"]
+        return self._block
