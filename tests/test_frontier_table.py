@@ -37,8 +37,9 @@ def h100_runs(folder):
         folder / "gpu_api_allreduce_4x-h100.csv", index=False)
     (folder / "async_tp_gpu_4x-nvidia-h100-80gb-hbm3.csv").write_bytes(
         (DATA / "async_tp_gpu_4x-h100_whole-attention.csv").read_bytes())
-    # the fused K/V gather as committed (two gathered buffers), eight rounds on one machine; the ring in three
-    return one_start("sequence_parallel_gpu_4x-h100_fused-kv.csv", 5)
+    # the latest 4x H100 run with every path in the same rounds: the fused K/V gather, NCCL's all-gather, ring
+    # attention over NCCL and over the copy engines (the Triton merge kernel, two ring slots), three rounds
+    return one_start("sequence_parallel_gpu_4x-h100_ring-copy-engines.csv", 4).drop(columns=["round", "code"])
 
 
 @pytest.mark.parametrize("card, runs", [("h200", h200_runs), ("h100", h100_runs)])

@@ -93,13 +93,14 @@ def _path_words(path: str):
 
 
 def overlap_attempts(rows, dtype="bfloat16",
-                     title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)"):
-    """The all-gather scheme's rows: each path's time per layer, the median over its rounds (bar) and their range
+                     title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)",
+                     scheme="allgather_kv"):
+    """One scheme's rows (the all-gather's unless ``scheme`` says another): each path's time per layer, the median over its rounds (bar) and their range
     (whisker), coloured by its wire (NCCL black, tplab's peer memory cyan, the copy engines brown, tplab's ring
     orange); the floors
     grey and hatched (only the plain ones: compute alone, and with the gathered tensor's writes); a dashed line at
     the plain NCCL all-gather's median, where nothing overlaps: an attempt pays off only left of it."""
-    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & (rows.scheme == "allgather_kv")]
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & (rows.scheme == scheme)]
     layer = layer[~layer.path.str.startswith("compute_") | layer.path.isin(["compute_floor", "compute_only"])]
     stats = (layer.groupby("path").time_s.agg(["median", "min", "max"]) * 1e3).sort_values("median")
     p = int(layer.p.max())
