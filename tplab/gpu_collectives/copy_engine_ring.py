@@ -18,7 +18,7 @@ step is one copy per rank, made by a copy engine, with no SM taken from the atte
 
 Why three slots: with two, a pass would overwrite the block the caller is computing on, so it could start
 only when that compute ends, and the ring would move one block at a time with the compute. With three, a pass
-overwrites the block of two passes before, and the ring's transfers can run a step ahead: the second block
+overwrites the block received three passes before, and the ring's transfers can run a step ahead: the second block
 travels while the layer still computes Q, and a slow step of either kind is absorbed by the next.
 
 Why one barrier per pass is enough (every rank makes the same passes, so i is the same on every rank):
@@ -27,7 +27,8 @@ Why one barrier per pass is enough (every rank makes the same passes, so i is th
     barrier of the pass before this one, and by my own compute, which the ring's stream waited for;
   - a new ring copies my block into slot i+1 the same way, after the caller's whole stream.
 So a block that ``wait()`` returned may be rewritten once the pass after next starts on the GPU: use it before
-you start the next pass but one (ring attention folds each block right after it arrives: in time).
+you start the next pass but one -- or, after a ring's last pass, before you start the next ring's second pass
+(ring attention folds each block right after it arrives: in time).
 
 Bytes: one block per rank per pass, each GPU sending to one peer and receiving from another at once, which
 is what a copy engine does best (about 340 GB/s to one peer on an H100). A ring's first pass also copies my
