@@ -95,11 +95,11 @@ def _path_words(path: str):
 def overlap_attempts(rows, dtype="bfloat16",
                      title="hiding the K/V all-gather: every attempt lands right of the dashed line (no overlap, NCCL)",
                      scheme="allgather_kv"):
-    """One scheme's rows (the all-gather's unless ``scheme`` says another): each path's time per layer, the median over its rounds (bar) and their range
-    (whisker), coloured by its wire (NCCL black, tplab's peer memory cyan, the copy engines brown, tplab's ring
-    orange); the floors
-    grey and hatched (only the plain ones: compute alone, and with the gathered tensor's writes); a dashed line at
-    the plain NCCL all-gather's median, where nothing overlaps: an attempt pays off only left of it."""
+    """One scheme's rows (the all-gather's unless ``scheme`` says another): each path's time per layer, the median
+    over its rounds (bar) and their range (whisker), coloured by its wire (NCCL black, tplab's peer memory cyan, the
+    copy engines brown, tplab's ring orange); the floors grey and hatched (only the plain ones: compute alone, and
+    with the gathered tensor's writes; for ring attention, the ring with nothing moved); a dashed line at the plain
+    NCCL all-gather's median, where nothing overlaps: an attempt pays off only left of it."""
     layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & (rows.scheme == scheme)]
     layer = layer[~layer.path.str.startswith("compute_") | layer.path.isin(["compute_floor", "compute_only"])]
     stats = (layer.groupby("path").time_s.agg(["median", "min", "max"]) * 1e3).sort_values("median")
@@ -115,7 +115,9 @@ def overlap_attempts(rows, dtype="bfloat16",
     plain = float(stats.loc["direct_nccl", "median"]) if "direct_nccl" in stats.index else None
     if plain is not None:
         ax.axvline(plain, color="0.3", ls="--", lw=1)
-    ax.set_yticks(range(len(stats)), [_path_words(path)[0] for path in stats.index], fontsize=8)
+    labels = ["nothing moved (ring's compute)" if scheme == "ring" and path == "compute_only"
+              else _path_words(path)[0] for path in stats.index]
+    ax.set_yticks(range(len(stats)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; bar: median of the rounds, line: their range)",
            xlim=(0, stats["max"].max() * 1.15),

@@ -77,9 +77,8 @@ class OnlineSoftmax:
             return
         if self.out.is_cuda and self.acc_dtype == torch.float32 and OnlineSoftmax.merge_kernel:
             try:
-                from tplab.sequence.merge_kernel import merge
-
-                self.out, self.lse = merge(self.out, self.lse, out_b, lse_b, self.out_dtype if final else self.acc_dtype)
+                self.out, self.lse = _merge_kernel()(self.out, self.lse, out_b, lse_b,
+                                                     self.out_dtype if final else self.acc_dtype)
                 return
             except Exception as e:  # noqa: BLE001 - any failure to build or launch it: the same formula, eagerly
                 OnlineSoftmax.merge_kernel = False
@@ -94,3 +93,15 @@ class OnlineSoftmax:
     def result(self) -> torch.Tensor:
         return self.out.to(self.out_dtype)  # (b, n, sq, d)
 
+
+_kernel = None
+
+
+def _merge_kernel():
+    """merge_kernel.merge, imported once (Triton is needed only on a GPU; its import raises where it is missing)."""
+    global _kernel
+    if _kernel is None:
+        from tplab.sequence.merge_kernel import merge
+
+        _kernel = merge
+    return _kernel
