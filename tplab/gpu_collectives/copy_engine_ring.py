@@ -93,20 +93,14 @@ class CopyEngineRing:
     def _view(self, slot: int, shape, dtype):
         """My slot as a tensor of ``shape`` and ``dtype`` (no copy), made once: a tensor over foreign memory
         costs the host tens of microseconds, and the host must stay ahead of the GPU."""
-        import cupy
         import torch
 
         key = (slot, shape, dtype)
         if key not in self._views:
-            memory = cupy.cuda.UnownedMemory(self._pointer(self.rank, slot), self.slot, self, self.exchange.device)
-            count = 1
-            for n in shape:
-                count *= n
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            raw = self.memory.peer_buffer(self.rank, nbytes, "uint8", slot * self.slot)
             with torch.inference_mode(False):   # (a view made under inference_mode could not be written outside it)
-                raw = torch.as_tensor(cupy.ndarray((count * itemsize,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)),
-                                      device=f"cuda:{self.exchange.device}")
-                self._views[key] = raw.view(dtype).view(shape)
+                self._views[key] = torch.as_tensor(raw, device=f"cuda:{self.exchange.device}").view(dtype).view(shape)
         return self._views[key]
 
     def close(self) -> None:
