@@ -4,8 +4,9 @@
 
 Per call, replayed from a CUDA graph of 50 calls (median of 9 replays, the slowest rank), float32: an empty
 kernel (what any kernel in a graph costs), the agreement alone (``agree_only``: each rank sends its arguments'
-signature to every peer and waits for theirs), and one_shot / one_shot_ll at 1-256 KiB with the agreement and
-without it (signature 0: the kernel alone, as when the ranks have agreed before), and two_shot at 256 KiB-16 MiB.
+signature to every peer and waits for theirs), and one_shot / one_shot_ll / one_shot_lamport at 1-256 KiB with the
+agreement and without it (signature 0: the kernel alone, as when the ranks have agreed before), and two_shot at
+256 KiB-16 MiB.
 Every result is checked.
 Writes OUT_DIR/gpu_allreduce_time_parts_<card>.csv (one row per part; ``stage`` names the code measured).
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from tplab.gpu_collectives import peer_memory  # noqa: E402
 from tplab.gpu_collectives.peer_memory import PeerMemory  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -55,7 +57,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--stage", default="as committed", help="a name for the code measured (a CSV column)")
+    parser.add_argument("--lamport-threads", type=int, default=0, help="one_shot_lamport's threads per block "
+                        "(default: peer_memory.LAMPORT_THREADS)")
     args = parser.parse_args()
+    if args.lamport_threads:
+        peer_memory.LAMPORT_THREADS = args.lamport_threads
     cupy.cuda.Device(WORLD.rank % cupy.cuda.runtime.getDeviceCount()).use()
     peers = PeerMemory(WORLD, 64 << 20)
     card = cupy.cuda.runtime.getDeviceProperties(peers.device)["name"].decode()
@@ -76,7 +82,7 @@ def main():
     for size in (1 << 10, 16 << 10, 64 << 10, 256 << 10):
         x = cupy.ones(size // 4, cupy.float32)
         out = cupy.empty_like(x)
-        for kernel in ("one_shot", "one_shot_ll"):
+        for kernel in ("one_shot", "one_shot_ll", "one_shot_lamport"):
             for agreement in (True, False):
                 run = peers.allreduce_init(x, out, kernel, sig=None if agreement else 0)
                 add(kernel, size, agreement, graph_us(run))

@@ -72,7 +72,8 @@ def test_peer_memory_kernels_ship_with_the_package():
     folder = files("tplab.gpu_collectives").joinpath("kernels")
     assert all(folder.joinpath(name).is_file() for name in KERNEL_FILES)
     source = kernel_source()
-    for kernel in ["one_shot", "one_shot_ll", "two_shot", "ring", "allgather", "flag_barrier", "sum_slots"]:
+    for kernel in ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "ring", "allgather", "flag_barrier",
+                   "sum_slots"]:
         assert f" {kernel}(" in source
 
 
@@ -84,17 +85,29 @@ def test_peer_memory_auto_table_picks_by_size():
     from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, TABLE_FOR_RANKS, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE), limit=lambda algorithm: 1 << 62)
-    assert [PeerMemory.choose(pm, n) for n in (1024, 256 << 10, (256 << 10) + 16, 16 << 20, 256 << 20)] \
-        == ["one_shot_ll", "one_shot_ll", "two_shot", "two_shot", "ring"]
+    assert [PeerMemory.choose(pm, n) for n in (1024, 512 << 10, (512 << 10) + 16, 16 << 20, 256 << 20)] \
+        == ["one_shot_lamport", "one_shot_lamport", "two_shot", "two_shot", "ring"]
+    pm.limit = lambda algorithm: 256 << 10 if algorithm == "one_shot_ll" else 1 << 62
+    assert [PeerMemory.choose(pm, n, "int") for n in (1024, 256 << 10, (256 << 10) + 16)] \
+        == ["one_shot_ll", "one_shot_ll", "two_shot"]   # (integers: one_shot_ll to its limit)
+    pm.limit = lambda algorithm: 1 << 62
     pm.table = [(4096, "ring"), (1 << 20, "two_shot")]
     assert [PeerMemory.choose(pm, n) for n in (16, 4097, 1 << 30)] == ["ring", "two_shot", "two_shot"]
     pm.table = list(TABLE_FOR_RANKS[2])  # two ranks: the one-shots longer
-    assert [PeerMemory.choose(pm, n) for n in (256 << 10, 4 << 20, (4 << 20) + 16)] == \
-        ["one_shot_ll", "one_shot", "two_shot"]
+    assert [PeerMemory.choose(pm, n) for n in (1 << 20, 4 << 20, (4 << 20) + 16)] == \
+        ["one_shot_lamport", "one_shot", "two_shot"]
     pm.limit = lambda algorithm: 2048 if algorithm.startswith("one_shot") else 1 << 62  # small one-shot areas
-    assert [PeerMemory.choose(pm, n) for n in (2048, 4096)] == ["one_shot_ll", "two_shot"]
+    assert [PeerMemory.choose(pm, n) for n in (2048, 4096)] == ["one_shot_lamport", "two_shot"]
     pm.table = [(1 << 20, "one_shot")]
     assert PeerMemory.choose(pm, 1 << 21) == "two_shot"  # past the table, and past the one-shot's area
+    pm.table = [(1 << 20, "one_shot_lamport"), (1 << 62, "two_shot")]
+    pm.limit = lambda algorithm: 256 << 10 if algorithm == "one_shot_ll" else 1 << 62
+    assert [PeerMemory.choose(pm, 1024, element) for element in ("float", "bf16_bits", "f16_bits", "int", "double")] \
+        == ["one_shot_lamport"] * 3 + ["one_shot_ll"] * 2  # (its sentinel is a NaN of 16- and 32-bit floats)
+    assert [PeerMemory.choose(pm, 512 << 10, element) for element in ("float", "int")] == ["one_shot_lamport", "two_shot"]
+    pm.table = [(1024, "one_shot_lamport"), (4096, "one_shot_lamport")]   # a tuned table that ends in it
+    assert [PeerMemory.choose(pm, n, "int") for n in (8192, 300 << 10)] == ["one_shot_ll", "two_shot"]
+    assert PeerMemory.choose(pm, 300 << 10, "bf16_bits") == "one_shot_lamport"
 
 
 @given(packs=st.integers(1, 1 << 26), p=st.integers(2, 8), lines=st.integers(1, 1 << 16))

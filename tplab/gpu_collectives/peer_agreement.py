@@ -57,7 +57,7 @@ class GpuAgreement:
         cupy.cuda.get_current_stream().synchronize()
         message = self._take_status()
         if sig == REFUSED and message is None:   # this rank's call fails too, but its own refusal leaves no
-            self._barrier_on(cupy.cuda.get_current_stream().ptr)   # status to take. (A status taken here is an
+            self._after_failure(cupy.cuda.get_current_stream().ptr)  # status to take. (A status taken here is an
         return message                           # earlier call's, whose failure stopped this agreement unmet.)
 
     def raise_pending(self, stream: int | None = None) -> None:
@@ -85,7 +85,7 @@ class GpuAgreement:
         if code == TIMEOUT:
             self.broken = message
             return message
-        self._barrier_on(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
+        self._after_failure(stream)   # (every rank fails a call once -- a refusing one in agree: the barriers pair up)
         return message
 
     def _status_message(self, code: int) -> str:
@@ -108,6 +108,15 @@ class GpuAgreement:
         earlier = self.agree(REFUSED)   # (which queues this rank's barrier; the peers' raise queues theirs)
         raise CollectiveArgumentError(f"{what} on rank {self.rank}: {problem}"
                                       + (f" (and an earlier call failed: {earlier})" if earlier else ""))
+
+    def _after_failure(self, stream: int) -> None:
+        """What every rank queues on ``stream`` once a call has failed: a barrier (``_barrier_on``), then
+        whatever the subclass must put right behind it (``_clean_after_failure``)."""
+        self._barrier_on(stream)
+        self._clean_after_failure(stream)
+
+    def _clean_after_failure(self, stream: int) -> None:
+        """Put right, on ``stream``, what a failed call's pushes left in this rank's memory (none here)."""
 
     def _barrier_on(self, stream: int) -> None:
         """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a

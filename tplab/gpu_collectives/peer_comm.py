@@ -26,12 +26,12 @@ import numpy as np
 
 from tplab.comm.nccl import nccl_world
 from tplab.comm.wrapped import Wrapped
-from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, PACK, fast_launcher
+from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, LAMPORT_TYPES, PACK, fast_launcher
 from tplab.gpu_collectives.peer_memory import PULLED, PeerMemory, capturing
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import external_stream, is_gpu_array, is_torch, torch_stream_pointer
 
-KERNELS = ("auto", "one_shot_ll", "one_shot", "two_shot", "ring")
+KERNELS = ("auto", "one_shot_ll", "one_shot_lamport", "one_shot", "two_shot", "ring")
 
 
 class PeerMemoryComm(Wrapped):
@@ -77,7 +77,9 @@ class PeerMemoryComm(Wrapped):
     # ---- its own collectives --------------------------------------------------------------------------------
     def _kernels_take(self, nbytes: int, dtype_name: str, op_name: str) -> bool:
         fits = nbytes <= self.peers.limit(self.kernel)
-        return op_name == "sum" and dtype_name in KERNEL_TYPES and fits
+        sums = dtype_name in KERNEL_TYPES and (self.kernel != "one_shot_lamport"
+                                               or KERNEL_TYPES[dtype_name] in LAMPORT_TYPES)
+        return op_name == "sum" and sums and fits
 
     def builtin_allreduce(self, x, op="sum"):
         import cupy
@@ -143,7 +145,7 @@ class AllreducePlan:
         self.torch, self.nbytes = is_torch(x), nbytes
         self.contiguous = x.is_contiguous() if self.torch else x.flags.c_contiguous
         self.stream = torch_stream_pointer(x.device.index) if self.torch else cupy.cuda.get_current_stream().ptr
-        algorithm = peers.choose(nbytes) if comm.kernel == "auto" else comm.kernel
+        algorithm = peers.choose(nbytes, element) if comm.kernel == "auto" else comm.kernel
         padded = -(-nbytes // PACK) * PACK
         self.staged = nbytes != padded  # odd sizes go through a padded copy (the kernels move 16-byte packs)
         if self.staged:

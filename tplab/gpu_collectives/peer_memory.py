@@ -13,6 +13,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
     one_shot_ll    1       2(p-1)·n written: each 8 bytes  small messages (to 256 KiB): the data carries
                            of data go with a 4-byte flag   its own "ready" flag, so no barrier and no
                            twice (NCCL's LL protocol)      remote read
+    one_shot_      1       (p-1)·n written: the area       the same for 16- and 32-bit floats, half the
+      lamport              holds a "not yet" value no      bytes: the data is its own flag (TensorRT-
+                           input can, until data lands     LLM's Lamport all-reduce)
     two_shot       2       2(p-1)/p·n written: push the    large messages on a switch (NVSwitch): every
                            chunks to their owners, then    link busy at once
                            the results to everyone
@@ -44,14 +47,15 @@ from tplab.comm.base import CollectiveArgumentError
 from tplab.gpu_collectives.peer_agreement import (AGREE_SLOT, BARRIER_SLOT, MAX_BLOCKS, MAX_RANKS,  # noqa: F401
                                                   MISMATCH, PEER_REFUSED, SIGNATURE_BYTES, STATUS_WORDS,
                                                   STREAM_SLOT, TIMEOUT, GpuAgreement, capturing)
-from tplab.gpu_collectives.peer_kernels import (LINE_PACKS, PACK, fast_launcher, kernel, programmatic_launch_works,
-                                                raw_bytes, type_name, whole_packs)
+from tplab.gpu_collectives.peer_kernels import (LAMPORT_TYPES, LINE_PACKS, PACK, fast_launcher, kernel,
+                                                programmatic_launch_works, raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, signature
 from tplab.toolkit.arrays import external_stream
 
-ALGORITHMS = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull")
+ALGORITHMS = ("one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "two_shot_pull", "ring", "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
+LAMPORT_BYTES = 1 << 20     # one_shot_lamport's limit: its area, after one_shot_ll's, 2 halves x p senders x this
 PULLED = 1 << 40  # flipped in a call's signature when its input is pulled from the shared buffer (same count, dtype)
 # (1 << 41 is the kernels' early bit: two_shot.cu flips it in the signature of a call that pushes before it agrees)
 THREADS = 512
@@ -62,16 +66,21 @@ MIN_THREADS = 128           # the two-shots' smallest blocks, where their grid w
                             #  30.5 with 512 (data/gpu_two_shot_registered_4x-h100_block-size.csv)
 LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
                             #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
+LAMPORT_THREADS = 64        # one_shot_lamport: likewise. Not settled: 128 was within 0.1 us at 1-64 KiB and 0.5 us
+                            #  faster at 256 KiB in one round on 4x H100, 0.1 us slower on 2x H100
+                            #  (data/gpu_allreduce_time_parts_h100.csv, the "one_shot_lamport added" stages)
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink from CUDA graphs: one_shot_ll up to its limit, 256 KiB (data/gpu_frontier_4x-h100_small-messages_
-# lines-and-agreement.csv: since it waits for its agreement and data together, in blocks of 64 threads, it is
-# ahead of one_shot at every size), two_shot to 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv);
-# tune() measures it again on the machine at hand (at p = 2 the one-shots win up to larger sizes).
-DEFAULT_TABLE = ((256 << 10, "one_shot_ll"), (16 << 20, "two_shot"), (1 << 62, "ring"))
-# On 2 GPUs a one-shot reads (or writes) as many bytes as two_shot moves and synchronises once: measured on
-# 2x H100 (data/gpu_frontier_2x-h100_small-messages.csv, _256MiB.csv), one_shot_ll to 256 KiB, one_shot to
-# 4 MiB, two_shot beyond (at 256 MiB ahead of the ring).
-TABLE_FOR_RANKS = {2: ((256 << 10, "one_shot_ll"), (4 << 20, "one_shot"), (1 << 62, "two_shot"))}
+# NVLink from CUDA graphs: one_shot_lamport to 512 KiB for the floats it sums (one_shot_ll for the others, to
+# its 256 KiB limit): 3.8 / 4.3 / 4.6 / 7.0 / 11.3 us at 1 / 16 / 64 / 256 / 512 KiB, against one_shot_ll's
+# 4.5 / 4.9 / 5.7 / 9.0 and two_shot's 12.2 at 512 KiB (data/gpu_frontier_4x-h100_small-messages_lamport.csv);
+# two_shot to 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv); tune() measures it again on the machine
+# at hand (at p = 2 the one-shots win up to larger sizes).
+DEFAULT_TABLE = ((512 << 10, "one_shot_lamport"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# On 2 GPUs a one-shot writes (or reads) as many bytes as two_shot moves and synchronises once: measured on
+# 2x H100 (data/gpu_frontier_2x-h100_small-messages_lamport.csv, _256MiB.csv), one_shot_lamport to its
+# 1 MiB limit (8.2 us there against one_shot's 10.7), one_shot to 4 MiB, two_shot beyond (at 256 MiB ahead
+# of the ring).
+TABLE_FOR_RANKS = {2: ((1 << 20, "one_shot_lamport"), (4 << 20, "one_shot"), (1 << 62, "two_shot"))}
 
 
 class PeerMemory(GpuAgreement):
@@ -112,15 +121,19 @@ class PeerMemory(GpuAgreement):
         self.ll_bytes = min(self.small, LL_BYTES)                       # one_shot_ll: its area after those
         self.ll_slot_lines = 2 * self.ll_bytes // PACK                  # 16-byte lines per sender
         ll_area = 2 * self.size * self.ll_slot_lines * PACK
+        self.lamport_bytes = min(self.small, LAMPORT_BYTES)             # one_shot_lamport: its area after that
+        self.lamport_slot_packs = self.lamport_bytes // PACK
+        self.lamport_area = (self.nbytes + 2 * self.small + ll_area, 2 * self.size * self.lamport_slot_packs * PACK)
         if len(set(mpi_comm.allgather((self.nbytes, self.small)))) != 1:  # (kernels write into peers' areas)
             raise ValueError("PeerMemory: every rank must pass the same max_bytes")
         flag_bytes = MAX_BLOCKS * MAX_RANKS * 4 + SIGNATURE_BYTES + MAX_BLOCKS * MAX_RANKS * 4  # (+ two_shot's
                                                                         #  first barriers: EARLY_FLAGS)
-        self._shared_bytes = self.nbytes + 2 * self.small + ll_area
+        self._shared_bytes = sum(self.lamport_area)
         self._own = allocate_everywhere(mpi_comm, [self._shared_bytes, flag_bytes], rt.malloc, rt.free,
                                         "PeerMemory")                           # (IPC exports whole allocations)
         rt.memset(self._own[1], 0, flag_bytes)
         rt.memset(self._own[0] + self.nbytes + 2 * self.small, 0, ll_area)   # flags 0: no call's yet
+        rt.memset(self._own[0] + self.lamport_area[0], 0xFF, self.lamport_area[1])   # all "not yet landed"
         self.epochs = cupy.zeros(MAX_BLOCKS, dtype=cupy.uint32)      # barriers passed, per block (local)
         self._status_pointer = rt.hostAlloc(STATUS_WORDS * 4, 3)     # pinned, mapped (cudaHostAllocPortable | Mapped)
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
@@ -184,6 +197,15 @@ class PeerMemory(GpuAgreement):
         is unusable from then on)."""
         self._barrier_on(stream)
 
+    def _clean_after_failure(self, stream: int) -> None:
+        """one_shot_lamport's area back to "not yet landed" everywhere after a failed call, whose pushes nobody
+        read (kernels/one_shot_lamport.cu), then one more barrier: no peer pushes into it before that."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.memsetAsync(self._own[0] + self.lamport_area[0], 0xFF, self.lamport_area[1], stream)
+        self._barrier_on(stream)
+
     @property
     def buffer_address(self) -> int:
         """The device address of this rank's shared buffer (where ``buffer()`` starts)."""
@@ -203,16 +225,21 @@ class PeerMemory(GpuAgreement):
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def limit(self, algorithm: str) -> int:
         """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own)."""
-        return {"one_shot": self.small, "one_shot_ll": self.ll_bytes}.get(algorithm, self.nbytes)
+        return {"one_shot": self.small, "one_shot_ll": self.ll_bytes,
+                "one_shot_lamport": self.lamport_bytes}.get(algorithm, self.nbytes)
 
-    def choose(self, nbytes: int) -> str:
-        """What "auto" runs for ``nbytes`` per rank: the fastest measured at the nearest size at or above
-        that its area takes (``tune`` measures them here; until then, the switch points measured on 4x H100,
-        or on 2x H100 for two ranks)."""
+    def choose(self, nbytes: int, element: str = "float") -> str:
+        """What "auto" runs for ``nbytes`` per rank of ``element``s (peer_kernels.KERNEL_TYPES' values): the
+        fastest measured at the nearest size at or above that its area takes (``tune`` measures them here;
+        until then, the switch points measured on 4x H100, or on 2x H100 for two ranks). one_shot_lamport
+        where the table says so is one_shot_ll for the types it cannot sum."""
+        def takes(algorithm):
+            return "one_shot_ll" if algorithm == "one_shot_lamport" and element not in LAMPORT_TYPES else algorithm
+
         for upper, algorithm in self.table:
-            if nbytes <= upper and nbytes <= self.limit(algorithm):   # (the one-shots' areas may be smaller)
-                return algorithm
-        last = self.table[-1][1] if self.table else "two_shot"
+            if nbytes <= upper and nbytes <= self.limit(takes(algorithm)):   # (the one-shots' areas may be smaller)
+                return takes(algorithm)
+        last = takes(self.table[-1][1]) if self.table else "two_shot"
         return last if nbytes <= self.limit(last) else "two_shot"
 
     def allreduce(self, x, algorithm: str = "auto", out=None, *, bf16: bool = False, check: bool = True,
@@ -261,8 +288,9 @@ class PeerMemory(GpuAgreement):
         """allreduce_init's function, for arguments already checked (_problem)."""
         import cupy
 
+        element = "bf16_bits" if bf16 else type_name(x.dtype)
         if algorithm == "auto":
-            algorithm = self.choose(x.nbytes)
+            algorithm = self.choose(x.nbytes, element)
         registered, staged = self._is_buffer(x), False
         if algorithm in ("two_shot", "ring") and registered:
             if sig == AGREED_ALREADY:             # (the peers chose their kernels without seeing this input:
@@ -280,7 +308,6 @@ class PeerMemory(GpuAgreement):
         if staged:
             source = cupy.empty(-(-x.nbytes // PACK) * PACK, cupy.uint8)
             target = cupy.empty_like(source) if self._in_buffer(out) else target
-        element = "bf16_bits" if bf16 else type_name(x.dtype)
         launch, blocks, threads, args = self.allreduce_kernel(source, target, algorithm, element, sig)
         if source is x and target is out:
             return ((fast and fast_launcher(launch, blocks, threads, args, programmatic=self.programmatic))
@@ -310,6 +337,8 @@ class PeerMemory(GpuAgreement):
             args += [np.int64(packs), np.int64(self.nbytes // PACK), np.int64(self.small // PACK)]
         elif algorithm == "one_shot_ll":
             args += [np.int64(packs), np.int64((self.nbytes + 2 * self.small) // PACK), np.int64(self.ll_slot_lines)]
+        elif algorithm == "one_shot_lamport":
+            args += [np.int64(packs), np.int64(self.lamport_area[0] // PACK), np.int64(self.lamport_slot_packs)]
         else:
             args += [np.int64(chunk), np.int64(packs)]
         if algorithm == "two_shot":                                    # its result slots: the second half
@@ -397,8 +426,9 @@ class PeerMemory(GpuAgreement):
         for nbytes in sizes:
             x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
             out = cupy.empty_like(x)
-            for algorithm in ("one_shot_ll", "one_shot", "two_shot", "ring"):
-                if nbytes > self.limit(algorithm):
+            for algorithm in ("one_shot_ll", "one_shot_lamport", "one_shot", "two_shot", "ring"):
+                if nbytes > self.limit(algorithm) or (algorithm == "one_shot_lamport"
+                                                      and type_name(dtype) not in LAMPORT_TYPES):
                     continue
                 run = self.allreduce_init(x, out, algorithm)
                 for _ in range(3):
@@ -468,6 +498,8 @@ def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
     issue them); THREADS."""
     if algorithm == "one_shot_ll":
         return LL_THREADS
+    if algorithm == "one_shot_lamport":
+        return LAMPORT_THREADS
     threads = THREADS
     if algorithm not in ("two_shot", "two_shot_pull"):   # (one_shot measured slower with smaller blocks on 2 GPUs)
         return threads
@@ -509,7 +541,10 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return "out may lie in the shared buffer only as x itself, in place (PeerMemory.buffer)"
     if x.device.id != pm.device:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
-    chosen = pm.choose(x.nbytes) if algorithm == "auto" else algorithm
+    element = "bf16_bits" if bf16 else type_name(x.dtype)
+    chosen = pm.choose(x.nbytes, element) if algorithm == "auto" else algorithm
+    if chosen == "one_shot_lamport" and element not in LAMPORT_TYPES:
+        return "one_shot_lamport sums float32, bfloat16 and float16 only (its sentinel is a NaN of theirs)"
     if x.nbytes > pm.limit(chosen):
         return f"{chosen} handles up to {pm.limit(chosen)} bytes, not {x.nbytes}: use two_shot or ring"
     return ""

@@ -101,7 +101,7 @@ __device__ __forceinline__ unsigned int load_acquire_gpu(const unsigned int* p) 
 
 // Rank r's signature line in the row e & 1 of a rank's flags (``their_flags``: flags[q]); sending it tells q
 // "I am at agreement e, with this signature". one_shot_ll sends it first, pushes its data, then waits for
-// the peers' lines and its data together (agree_as_lines_land).
+// the peers' lines and its data together (agree_as_packs_land).
 __device__ __forceinline__ uint4* signature_line(unsigned int* their_flags, unsigned int e, int r) {
     return (uint4*)(their_flags + SIGNATURES) + (e & 1u) * MAX_RANKS + r; }
 __device__ __forceinline__ void send_signature(unsigned int* their_flags, unsigned int e, int rank,

@@ -64,23 +64,30 @@ __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call,
     return make_uint2(v.x, v.z);
 }
 
-// Pack i's two lines from every peer q, as they are now (polled again by wait_line where not yet this call's).
-__device__ __forceinline__ void read_lines(uint4* low, uint4* high, const uint4* mine, long long slot_lines,
-                                           long long i, int rank, int p) {
+// How one_shot_ll's packs land: each as two lines per peer, {d0, call, d1, call} and {d2, call, d3, call}.
+// ``read(i)`` loads pack i's lines from every peer at once (one trip to L2, not one per line), as they are
+// now; ``missing()`` is the first peer whose lines of that pack are not yet this call's, or -1 once all are.
+struct LinesLanding {
+    const uint4* mine;                                   // this call's half of this rank's LL area
+    long long slot_lines;                                // lines per sender
+    unsigned int call;
+    int rank, p;
+    uint4 low[MAX_RANKS], high[MAX_RANKS];
+    __device__ __forceinline__ void read(long long i) {
 #pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++)
-        if (q < p && q != rank) {
-            low[q] = load_line(mine + q * slot_lines + 2 * i);
-            high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
-        }
-}
-// The first peer whose lines of the pack are not yet this call's, or -1 once all are.
-__device__ __forceinline__ int missing_line(const uint4* low, const uint4* high, unsigned int call, int rank, int p) {
+        for (int q = 0; q < MAX_RANKS; q++)
+            if (q < p && q != rank) {
+                low[q] = load_line(mine + q * slot_lines + 2 * i);
+                high[q] = load_line(mine + q * slot_lines + 2 * i + 1);
+            }
+    }
+    __device__ __forceinline__ int missing() const {
 #pragma unroll
-    for (int q = 0; q < MAX_RANKS; q++)
-        if (q < p && q != rank && !(line_has(low[q], call) && line_has(high[q], call))) return q;
-    return -1;
-}
+        for (int q = 0; q < MAX_RANKS; q++)
+            if (q < p && q != rank && !(line_has(low[q], call) && line_has(high[q], call))) return q;
+        return -1;
+    }
+};
 
 // one_shot_ll's agreement, waited for in the same trips as the data it guards. In every block, threads q < p
 // poll peer q's signature line (in this rank's own memory, as agree does) while every thread polls its first
@@ -98,11 +105,12 @@ __device__ __forceinline__ int missing_line(const uint4* low, const uint4* high,
 // failure is known -- from its own block's signature threads (shared memory), or from Control::failed,
 // which block 0 marks before it publishes the verdict. The agreement is counted by the last block to finish
 // (finish), since every block reads Call::agreement at its start. ``my_flags``: flags[rank] (loaded early by
-// the caller). On return, low/high hold the first pack's lines as last read (the caller polls again,
-// wait_line, any not yet this call's).
-__device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long long sig, const unsigned int* my_flags,
-                                   unsigned int* epochs, int rank, int p, const uint4* mine, long long slot_lines,
-                                   long long first, long long packs, uint4* low, uint4* high) {
+// the caller). ``Landing``: how a pack lands (LinesLanding; one_shot_lamport.cu's PacksLanding). On return,
+// ``land`` holds the first pack as last read (the caller polls again for any peer's not yet landed).
+template <typename Landing>
+__device__ __forceinline__ int agree_as_packs_land(Control* ctl, const Call& c, unsigned long long sig, const unsigned int* my_flags,
+                                   unsigned int* epochs, int rank, int p, long long first, long long packs,
+                                   Landing& land) {
     __shared__ int outcome[MAX_RANKS];
     __shared__ unsigned long long seen[MAX_RANKS];
     __shared__ int doomed;                               // a peer disagreed, refused or never came
@@ -121,14 +129,14 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
     while (signature_due || data_due) {
         uint4 line;
         if (signature_due) line = load_line(their_signature);
-        if (data_due) read_lines(low, high, mine, slot_lines, first, rank, p);     // (both loads in flight)
+        if (data_due) land.read(first);                  // (both loads in flight)
         if (signature_due && line_has(line, e)) {
             const int o = compare_signature(line, sig, &seen[t]);
             outcome[t] = o;
             if (o != AGREED) *(volatile int*)&doomed = 1;
             signature_due = false;
         }
-        if (data_due && missing_line(low, high, call, rank, p) < 0) data_due = false;
+        if (data_due && land.missing() < 0) data_due = false;
         if (!signature_due && !data_due) break;
         if (start == 0) start = globaltimer();
         ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
@@ -146,7 +154,7 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
                 break;
             }
             if (!signature_due && should_give_up(ctl, start)) {               // a peer that died mid-call
-                give_up_on(ctl, missing_line(low, high, call, rank, p), call);
+                give_up_on(ctl, land.missing(), call);
                 break;
             }
         }
@@ -178,7 +186,7 @@ __device__ int agree_as_lines_land(Control* ctl, const Call& c, unsigned long lo
 // data. The reader polls its own (local) memory for that: no barrier, no fence, no remote read -- one
 // NVLink crossing per call, where one_shot needs a barrier and then a round of remote reads.
 //   send the signature;  for q != r: bufs[q] LL slot r = x with the call's number
-//   wait for the peers' signatures and my first pack's lines together (agree_as_lines_land)
+//   wait for the peers' signatures and my first pack's lines together (agree_as_packs_land)
 //   out = sum in rank order of (x for me, my LL slot q for q), each line polled until it is this call's
 // The area alternates between two halves by the call's parity (a peer is at most one call ahead), and a
 // line left over from an older call carries an older number: nothing is ever cleared. Call numbers are
@@ -222,21 +230,20 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     // Every peer's two lines of a pack are read at once (one trip to L2, not one per line); the first pack's
     // in the same trips as the agreement's lines.
     const uint4* mine = my_buf + area;
-    uint4 low[MAX_RANKS], high[MAX_RANKS];
-    const int verdict = agree_as_lines_land(ctl, this_call, sig, my_flags, epochs, rank, p, mine, slot_lines,
-                                            first, packs, low, high);
+    LinesLanding land{mine, slot_lines, call, rank, p};
+    const int verdict = agree_as_packs_land(ctl, this_call, sig, my_flags, epochs, rank, p, first, packs, land);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) {
-        if (i != first) read_lines(low, high, mine, slot_lines, i, rank, p);
+        if (i != first) land.read(i);
         Pack<T> v[MAX_RANKS];
 #pragma unroll
         for (int q = 0; q < MAX_RANKS; q++) {
             if (q >= p) continue;
             if (q == rank) { v[q].raw = i == first ? x_first : x[i]; continue; }
-            const uint2 a = line_has(low[q], call) ? make_uint2(low[q].x, low[q].z)
-                                                   : wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
-            const uint2 b = line_has(high[q], call) ? make_uint2(high[q].x, high[q].z)
-                                                    : wait_line(mine + q * slot_lines + 2 * i + 1, call, ctl, q);
+            const uint2 a = line_has(land.low[q], call) ? make_uint2(land.low[q].x, land.low[q].z)
+                                                        : wait_line(mine + q * slot_lines + 2 * i, call, ctl, q);
+            const uint2 b = line_has(land.high[q], call) ? make_uint2(land.high[q].x, land.high[q].z)
+                                                         : wait_line(mine + q * slot_lines + 2 * i + 1, call, ctl, q);
             v[q].raw = make_uint4(a.x, a.y, b.x, b.y);
         }
         out[i] = sum_packs<T>(v, p);
