@@ -1,9 +1,11 @@
 """Figures of notebook 03's last GPU sections: a small all-reduce waiting for its agreement and its data
-together, two_shot agreeing in its first barrier, and what the links carry at most next to what the large all-reduces get. Same conventions as
-``reference_plots`` (one question per figure, the algorithms in their ``color_of`` colours).
+together, two_shot agreeing in its first barrier, the data as its own flag, and what the links carry at most
+next to what the large all-reduces get. Same conventions as ``reference_plots`` (one question per figure, the
+algorithms in their ``color_of`` colours).
 
     waiting_together(parts[, runs])      one_shot_ll before and after, A/B runs on 4 GPUs, and its floor
     first_barrier_agrees(ab, frontier)   two_shot agreeing first against agreeing in its first barrier, and torch's
+    data_as_its_own_flag(parts, frontier)  one_shot_lamport against one_shot_ll, then against the others
     link_ceiling(ceiling, allreduces)    GB/s out of each GPU: the wire alone, and three all-reduces' bus bandwidth
 """
 
@@ -89,6 +91,46 @@ def first_barrier_agrees(ab, frontier):
     ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+LAMPORT_STAGE = "2026-11-27: one_shot_lamport added, 4 GPUs, 64 threads"
+
+
+def data_as_its_own_flag(parts, frontier):
+    """Left: one_shot_ll and one_shot_lamport on 4 GPUs, the kernel alone from CUDA graphs (``parts``:
+    gpu_allreduce_time_parts_*.csv, the LAMPORT_STAGE run), with the agreement (solid) and without it (dotted).
+    Right: tplab's kernels next to torch's symmetric-memory two-shot and NCCL's symmetric kernels up to 1 MiB
+    (``frontier``: one start of a frontier run, tplab bench rows from CUDA graphs)."""
+    fig, axes = plt.subplots(1, 2, figsize=(MAX_WIDTH, 4.2), constrained_layout=True)
+    ax = axes[0]
+    run = parts[(parts.stage == LAMPORT_STAGE)]
+    for kernel, label in (("one_shot_ll", "one_shot_ll: tagged lines, 2x the bytes"),
+                          ("one_shot_lamport", "one_shot_lamport: the data is its flag")):
+        for agreed, style, what in ((True, "-", label), (False, ":", f"{kernel}, no agreement")):
+            line = _median_by_size(run[(run.kernel == kernel) & (run.agreement == agreed)])
+            ax.plot(line.index, line.values, style, marker="o" if agreed else ".", color=color_of(kernel), label=what)
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title="the kernel alone, one machine")
+    ax.set_xticks(SIZES, [f"{size >> 10} KiB" for size in SIZES])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5)
+    ax = axes[1]
+    graph = frontier[(frontier["mode"] == "graph") & (frontier["size"] <= 1 << 20)]
+    for name, label in (("peer_one_shot_lamport", "tplab one_shot_lamport"), ("peer_one_shot_ll", "tplab one_shot_ll"),
+                        ("peer_two_shot", "tplab two_shot"), ("symm_mem_two_shot", "torch symm_mem two-shot"),
+                        ("nccl_symmetric", "NCCL symmetric kernels")):
+        rows = graph[graph.algorithm == name].groupby("size").time_us.median()
+        ax.plot(rows.index, rows.values, "-" if name.startswith("peer_") else "--", marker=".",
+                color=color_of(name), label=label)
+    sizes = sorted(graph["size"].unique())[::2]
+    ax.set(xscale="log", xlabel="bytes per rank", ylim=(0, None), title="next to the others, another machine")
+    ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5)
+    fig.suptitle("small all-reduces on 4x H100: the data as its own flag", fontsize=10)
     return fig
 
 
