@@ -4,9 +4,9 @@
 
 Per call, replayed from a CUDA graph of 50 calls (median of 9 replays, the slowest rank), float32: an empty
 kernel (what any kernel in a graph costs), the agreement alone (``agree_only``: each rank sends its arguments'
-signature to every peer and waits for theirs), and one_shot / one_shot_ll / one_shot_lamport at 1-256 KiB with the
-agreement and without it (signature 0: the kernel alone, as when the ranks have agreed before), and two_shot at
-256 KiB-16 MiB.
+signature to every peer and waits for theirs), one_shot / one_shot_ll / one_shot_lamport at 1-256 KiB (and
+one_shot_lamport at 512 KiB and 1 MiB) with the agreement and without it (signature 0: the kernel alone, as when the ranks
+have agreed before), and two_shot at 256 KiB-16 MiB.
 Every result is checked.
 Writes OUT_DIR/gpu_allreduce_time_parts_<card>.csv (one row per part; ``stage`` names the code measured).
 """
@@ -58,10 +58,10 @@ def main():
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--stage", default="as committed", help="a name for the code measured (a CSV column)")
     parser.add_argument("--lamport-threads", type=int, default=0, help="one_shot_lamport's threads per block "
-                        "(default: peer_memory.LAMPORT_THREADS)")
+                        "at every size (default: peer_memory.LAMPORT_THREADS, by size)")
     args = parser.parse_args()
     if args.lamport_threads:
-        peer_memory.LAMPORT_THREADS = args.lamport_threads
+        peer_memory.LAMPORT_THREADS = (args.lamport_threads, args.lamport_threads)
     cupy.cuda.Device(WORLD.rank % cupy.cuda.runtime.getDeviceCount()).use()
     peers = PeerMemory(WORLD, 64 << 20)
     card = cupy.cuda.runtime.getDeviceProperties(peers.device)["name"].decode()
@@ -79,10 +79,12 @@ def main():
 
     add("empty kernel", 0, False, graph_us(lambda: empty((1,), (512,), ())))
     add("agree_only", 0, True, graph_us(lambda: peers.launch_agreement(12345)))
-    for size in (1 << 10, 16 << 10, 64 << 10, 256 << 10):
+    for size in (1 << 10, 16 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20):
         x = cupy.ones(size // 4, cupy.float32)
         out = cupy.empty_like(x)
         for kernel in ("one_shot", "one_shot_ll", "one_shot_lamport"):
+            if size > peers.limit(kernel) or (size > 256 << 10 and kernel != "one_shot_lamport"):
+                continue                                   # (past 256 KiB: the one "auto" runs there)
             for agreement in (True, False):
                 run = peers.allreduce_init(x, out, kernel, sig=None if agreement else 0)
                 add(kernel, size, agreement, graph_us(run))

@@ -31,10 +31,10 @@ def h200_runs(folder):
 
 
 def h100_runs(folder):
-    # the second start of the Lamport run: the code as committed ("auto" takes one_shot_lamport to 512 KiB)
-    one_start("gpu_frontier_4x-h100_small-messages_lamport.csv", 2).to_csv(folder / "small.csv", index=False)
-    one_start("gpu_frontier_4x-h100_256MiB_lamport.csv", 2).to_csv(folder / "large.csv", index=False)
-    one_start("gpu_api_allreduce_4x-h100_lamport.csv", 2).to_csv(folder / "gpu_api_allreduce_4x-h100.csv", index=False)
+    # the third start of the Lamport run: the code as committed (one_shot_lamport to 1 MiB, its blocks by size)
+    one_start("gpu_frontier_4x-h100_small-messages_lamport.csv", 3).to_csv(folder / "small.csv", index=False)
+    one_start("gpu_frontier_4x-h100_256MiB_lamport.csv", 3).to_csv(folder / "large.csv", index=False)
+    one_start("gpu_api_allreduce_4x-h100_lamport.csv", 3).to_csv(folder / "gpu_api_allreduce_4x-h100.csv", index=False)
     (folder / "async_tp_gpu_4x-nvidia-h100-80gb-hbm3.csv").write_bytes(
         (DATA / "async_tp_gpu_4x-h100_whole-attention.csv").read_bytes())
     # the latest 4x H100 run with every path in the same rounds: the fused K/V gather, NCCL's all-gather, ring

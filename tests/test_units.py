@@ -85,7 +85,7 @@ def test_peer_memory_auto_table_picks_by_size():
     from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, TABLE_FOR_RANKS, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE), limit=lambda algorithm: 1 << 62)
-    assert [PeerMemory.choose(pm, n) for n in (1024, 512 << 10, (512 << 10) + 16, 16 << 20, 256 << 20)] \
+    assert [PeerMemory.choose(pm, n) for n in (1024, 1 << 20, (1 << 20) + 16, 16 << 20, 256 << 20)] \
         == ["one_shot_lamport", "one_shot_lamport", "two_shot", "two_shot", "ring"]
     pm.limit = lambda algorithm: 256 << 10 if algorithm == "one_shot_ll" else 1 << 62
     assert [PeerMemory.choose(pm, n, "int") for n in (1024, 256 << 10, (256 << 10) + 16)] \
@@ -137,6 +137,19 @@ def test_two_shot_blocks_shrink_to_fill_the_multiprocessors(work, max_blocks):
         assert threads == THREADS or -(-work // (2 * threads)) < max_blocks  # halved only from an idle-SM grid
     assert block_threads("one_shot", work, max_blocks) == THREADS
     assert block_threads("one_shot_ll", work, max_blocks) == LL_THREADS
+
+
+@given(work=st.integers(1, 1 << 17), max_blocks=st.integers(1, 1022))
+def test_lamport_blocks_grow_until_a_pack_per_thread(work, max_blocks):
+    """one_shot_lamport's blocks: 64 threads, doubled (to at most 256) only while the grid would need more
+    blocks than it may have: one pack per thread where the grid allows."""
+    from tplab.gpu_collectives.peer_memory import LAMPORT_THREADS, block_threads
+
+    fewest, most = LAMPORT_THREADS
+    threads = block_threads("one_shot_lamport", work, max_blocks)
+    assert threads in (64, 128, 256) and fewest <= threads <= most
+    assert threads == most or -(-work // threads) <= max_blocks      # one pack per thread, or as large as it goes
+    assert threads == fewest or -(-work // (threads // 2)) > max_blocks  # doubled only when the grid was short
 
 
 def test_plans_do_not_keep_their_communicator_alive():

@@ -66,16 +66,20 @@ MIN_THREADS = 128           # the two-shots' smallest blocks, where their grid w
                             #  30.5 with 512 (data/gpu_two_shot_registered_4x-h100_block-size.csv)
 LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
                             #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
-LAMPORT_THREADS = 64        # one_shot_lamport: likewise. Not settled: 128 was within 0.1 us at 1-64 KiB and 0.5 us
-                            #  faster at 256 KiB in one round on 4x H100, 0.1 us slower on 2x H100
-                            #  (data/gpu_allreduce_time_parts_h100.csv, the "one_shot_lamport added" stages)
+LAMPORT_THREADS = (64, 256)  # one_shot_lamport: blocks of 64 threads, doubled (to 256) while the grid would need more
+                            #  blocks than it may have: one pack per thread. 4x H100, with the agreement:
+                            #  64 / 128 / 256 threads 4.51-4.59 / 4.54-4.60 / 4.72-4.79 us at 64 KiB, 6.7-7.0 /
+                            #  6.3-6.4 / 6.5 at 256 KiB, 11.3 / 8.7-8.9 / 8.7-8.8 at 512 KiB, 19.9-20.4 / 15.0-15.2 /
+                            #  13.3-13.4 at 1 MiB (data/gpu_allreduce_time_parts_h100.csv, "threads" stages);
+                            #  512 threads do not launch (registers)
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink from CUDA graphs: one_shot_lamport to 512 KiB for the floats it sums (one_shot_ll for the others, to
-# its 256 KiB limit): 3.8 / 4.3 / 4.6 / 7.0 / 11.3 us at 1 / 16 / 64 / 256 / 512 KiB, against one_shot_ll's
-# 4.5 / 4.9 / 5.7 / 9.0 and two_shot's 12.2 at 512 KiB (data/gpu_frontier_4x-h100_small-messages_lamport.csv);
-# two_shot to 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv); tune() measures it again on the machine
-# at hand (at p = 2 the one-shots win up to larger sizes).
-DEFAULT_TABLE = ((512 << 10, "one_shot_lamport"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# NVLink from CUDA graphs: one_shot_lamport to its 1 MiB limit for the floats it sums (one_shot_ll for the
+# others, to its 256 KiB limit): 4.1 / 4.5 / 4.9 / 6.6 / 9.0 / 13.7 us at 1 / 16 / 64 / 256 / 512 KiB / 1 MiB,
+# against one_shot_ll's 4.3 / 5.0 / 5.9 / 9.2 and two_shot's 12.5 / 14.4 at 512 KiB / 1 MiB
+# (data/gpu_frontier_4x-h100_small-messages_lamport.csv, start 3); two_shot to 16 MiB, the ring beyond
+# (_256MiB_pushed-two-shot.csv); tune() measures it again on the machine at hand (at p = 2 the one-shots win
+# up to larger sizes).
+DEFAULT_TABLE = ((1 << 20, "one_shot_lamport"), (16 << 20, "two_shot"), (1 << 62, "ring"))
 # On 2 GPUs a one-shot writes (or reads) as many bytes as two_shot moves and synchronises once: measured on
 # 2x H100 (data/gpu_frontier_2x-h100_small-messages_lamport.csv, _256MiB.csv), one_shot_lamport to its
 # 1 MiB limit (8.2 us there against one_shot's 10.7), one_shot to 4 MiB, two_shot beyond (at 256 MiB ahead
@@ -493,13 +497,17 @@ def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
 
 def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
     """Threads per block of an all-reduce kernel whose blocks share ``work`` packs (each block handles the
-    same packs on every rank): one_shot_ll's LL_THREADS; the two-shots' THREADS, halved down to MIN_THREADS
+    same packs on every rank): one_shot_ll's LL_THREADS; one_shot_lamport's LAMPORT_THREADS, doubled from the
+    first to the second while the grid would need more than ``max_blocks``; the two-shots' THREADS, halved down to MIN_THREADS
     while the grid would leave multiprocessors idle (pushes and pulls over NVLink are limited by how many SMs
     issue them); THREADS."""
     if algorithm == "one_shot_ll":
         return LL_THREADS
     if algorithm == "one_shot_lamport":
-        return LAMPORT_THREADS
+        threads, most = LAMPORT_THREADS
+        while threads < most and -(-work // threads) > max_blocks:
+            threads *= 2
+        return threads
     threads = THREADS
     if algorithm not in ("two_shot", "two_shot_pull"):   # (one_shot measured slower with smaller blocks on 2 GPUs)
         return threads
