@@ -67,7 +67,7 @@ MIN_THREADS = 128           # the two-shots' smallest blocks, where their grid w
 LL_THREADS = 64             # one_shot_ll: more, smaller blocks -- its pushes are limited by how many SMs store
                             #  (4x H100: 9.1-9.3 us at 256 KiB against 14.7-14.8 with 128, 10.5-10.6 with 32)
 LAMPORT_THREADS = (64, 256)  # one_shot_lamport: blocks of 64 threads, doubled (to 256) while the grid would need more
-                            #  blocks than it may have: one pack per thread. 4x H100, with the agreement:
+                            #  blocks than it may have: one pack per thread where it can. 4x H100, with the agreement:
                             #  64 / 128 / 256 threads 4.51-4.59 / 4.54-4.60 / 4.72-4.79 us at 64 KiB, 6.7-7.0 /
                             #  6.3-6.4 / 6.5 at 256 KiB, 11.3 / 8.7-8.9 / 8.7-8.8 at 512 KiB, 19.9-20.4 / 15.0-15.2 /
                             #  13.3-13.4 at 1 MiB (data/gpu_allreduce_time_parts_h100.csv, "threads" stages);

@@ -125,7 +125,8 @@ def data_as_its_own_flag(parts, frontier):
         ax.plot(rows.index, rows.values, "-" if name.startswith("peer_") else "--", marker=".",
                 color=color_of(name), label=label)
     sizes = sorted(graph["size"].unique())[::2]
-    ax.set(xscale="log", xlabel="bytes per rank", ylim=(0, None), title="next to the others, another machine")
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title="next to the others, another machine")
     ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
     ax.minorticks_off()
     ax.grid(alpha=0.3)
