@@ -119,9 +119,10 @@ class GpuAgreement:
         """Put right, on ``stream``, what a failed call's pushes left in this rank's memory (none here)."""
 
     def _barrier_on(self, stream: int) -> None:
-        """A barrier queued on ``stream`` after a call that failed: one_shot_ll, and a two_shot right after a
-        two_shot, push into the peers' buffers before they know whether the ranks agree, and such a push may
-        still be on its way when this rank has raised and goes on -- to write an input into buffer(), say.
+        """A barrier queued on ``stream`` after a call that failed: the pushed one-shots (one_shot_ll,
+        one_shot_lamport), and a two_shot right after a two_shot, push into the peers' buffers before they know
+        whether the ranks agree, and such a push may still be on its way when this rank has raised and goes
+        on -- to write an input into buffer(), say.
         The barrier waits on the GPU until every peer's failed kernel has ended; a peer that never comes
         (its program went elsewhere) ends it after the timeout, which the next call raises (CommTimeoutError)."""
         with external_stream(stream, self.device):

@@ -95,10 +95,11 @@ class PeerMemory(GpuAgreement):
 
     Every call starts with the ranks' kernels comparing the calls' signatures (signature.py): ranks that
     disagree, or one that refuses its input, make every rank's kernel stop before it writes any output and
-    report to host memory, from where the next call (or ``raise_pending``) raises on every rank. (one_shot_ll,
-    and a two_shot right after a two_shot, push into the peers' shared buffers before they know: after a
-    call that failed, what a shared buffer holds -- a ``buffer()`` input too -- is undefined; the raise queues
-    a barrier, so an input written after it, on the same stream, stays as written.) A rank that
+    report to host memory, from where the next call (or ``raise_pending``) raises on every rank. (The
+    pushed one-shots, and a two_shot right after a two_shot, push into the peers' shared buffers before they
+    know: after a call that failed, what a shared buffer holds -- a ``buffer()`` input too -- is undefined;
+    the raise queues a barrier, so an input written after it, on the same stream, stays as written, and
+    puts one_shot_lamport's area back to its sentinel: _clean_after_failure.) A rank that
     never comes is given up on after ``timeout`` seconds; this PeerMemory is then unusable."""
 
     def __init__(self, mpi_comm, max_bytes: int = 64 << 20, *, blocks: int | None = None, timeout: float = 30.0):
