@@ -39,6 +39,14 @@ def _median_by_size(rows):
     return rows.groupby("size").graph_us.median()
 
 
+def _by_size(ax, sizes, legend_size=7.5):
+    """Every panel's finish: the sizes as ticks (KiB, MiB), no minor ticks, a grid, the legend."""
+    ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
 def waiting_together(parts, runs=RUNS):
     """one_shot_ll on 4 GPUs from CUDA graphs, per call, the median over interleaved rounds of one run per
     panel (each panel its own scale). ``RUNS``: waiting for the agreement and then the data, against everything
@@ -57,10 +65,7 @@ def waiting_together(parts, runs=RUNS):
                 line = _median_by_size(rows[rows.agreement == agreed])
                 ax.plot(line.index, line.values, style, marker="o" if agreed else ".", color=color, label=what)
         ax.set(xscale="log", xlabel="bytes per rank", title=title, ylim=(0, None))
-        ax.set_xticks(SIZES, [f"{size >> 10} KiB" for size in SIZES])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7.5)
+        _by_size(ax, SIZES)
     axes[0][0].set_ylabel("µs per all-reduce (CUDA graph)")
     fig.suptitle("one_shot_ll on 4x H100, per call", fontsize=10)
     return fig
@@ -87,10 +92,7 @@ def first_barrier_agrees(ab, frontier):
     sizes = sorted(ab["size"].unique())
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
            title="two_shot on 4x H100: one meeting fewer")
-    ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _by_size(ax, sizes, legend_size=8)
     return fig
 
 
@@ -112,10 +114,7 @@ def data_as_its_own_flag(parts, frontier):
             ax.plot(line.index, line.values, style, marker="o" if agreed else ".", color=color_of(kernel), label=what)
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
            title="the kernel alone, one machine")
-    ax.set_xticks(SIZES, [f"{size >> 10} KiB" for size in SIZES])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5)
+    _by_size(ax, SIZES)
     ax = axes[1]
     graph = frontier[(frontier["mode"] == "graph") & (frontier["size"] <= 1 << 20)]
     for name, label in (("peer_one_shot_lamport", "tplab one_shot_lamport"), ("peer_one_shot_ll", "tplab one_shot_ll"),
@@ -127,10 +126,7 @@ def data_as_its_own_flag(parts, frontier):
     sizes = sorted(graph["size"].unique())[::2]
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
            title="next to the others, another machine")
-    ax.set_xticks(sizes, [f"{s >> 10} KiB" if s < 1 << 20 else f"{s >> 20} MiB" for s in sizes])
-    ax.minorticks_off()
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5)
+    _by_size(ax, sizes)
     fig.suptitle("small all-reduces on 4x H100: the data as its own flag", fontsize=10)
     return fig
 
