@@ -5,8 +5,8 @@
 Per call, replayed from a CUDA graph of 50 calls (median of 9 replays, the slowest rank), float32: an empty
 kernel (what any kernel in a graph costs), the agreement alone (``agree_only``: each rank sends its arguments'
 signature to every peer and waits for theirs), one_shot / one_shot_ll / one_shot_lamport at 1-256 KiB (and
-one_shot_lamport at 512 KiB and 1 MiB) with the agreement and without it (signature 0: the kernel alone, as when the ranks
-have agreed before), and two_shot at 256 KiB-16 MiB.
+one_shot_lamport at 512 KiB and 1 MiB) with the agreement and without it (signature 0: the kernel alone, as when
+the ranks have agreed before), and two_shot at 256 KiB-16 MiB.
 Every result is checked.
 Writes OUT_DIR/gpu_allreduce_time_parts_<card>.csv (one row per part; ``stage`` names the code measured).
 """

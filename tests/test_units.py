@@ -104,7 +104,8 @@ def test_peer_memory_auto_table_picks_by_size():
     pm.limit = lambda algorithm: 256 << 10 if algorithm == "one_shot_ll" else 1 << 62
     assert [PeerMemory.choose(pm, 1024, element) for element in ("float", "bf16_bits", "f16_bits", "int", "double")] \
         == ["one_shot_lamport"] * 3 + ["one_shot_ll"] * 2  # (its sentinel is a NaN of 16- and 32-bit floats)
-    assert [PeerMemory.choose(pm, 512 << 10, element) for element in ("float", "int")] == ["one_shot_lamport", "two_shot"]
+    assert [PeerMemory.choose(pm, 512 << 10, element) for element in ("float", "int")] \
+        == ["one_shot_lamport", "two_shot"]
     pm.table = [(1024, "one_shot_lamport"), (4096, "one_shot_lamport")]   # a tuned table that ends in it
     assert [PeerMemory.choose(pm, n, "int") for n in (8192, 300 << 10)] == ["one_shot_ll", "two_shot"]
     assert PeerMemory.choose(pm, 300 << 10, "bf16_bits") == "one_shot_lamport"

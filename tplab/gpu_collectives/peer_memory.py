@@ -499,9 +499,9 @@ def allocate_everywhere(mpi_comm, sizes, malloc, free, what: str) -> list:
 def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
     """Threads per block of an all-reduce kernel whose blocks share ``work`` packs (each block handles the
     same packs on every rank): one_shot_ll's LL_THREADS; one_shot_lamport's LAMPORT_THREADS, doubled from the
-    first to the second while the grid would need more than ``max_blocks``; the two-shots' THREADS, halved down to MIN_THREADS
-    while the grid would leave multiprocessors idle (pushes and pulls over NVLink are limited by how many SMs
-    issue them); THREADS."""
+    first to the second while the grid would need more than ``max_blocks``; the two-shots' THREADS, halved down
+    to MIN_THREADS while the grid would leave multiprocessors idle (pushes and pulls over NVLink are limited by
+    how many SMs issue them); THREADS."""
     if algorithm == "one_shot_ll":
         return LL_THREADS
     if algorithm == "one_shot_lamport":
