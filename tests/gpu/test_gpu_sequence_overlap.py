@@ -84,10 +84,12 @@ def test_ring_head_groups_and_streamed_kv_equal_the_unsplit_layer(causal, layout
             agree(error < TOLERANCE[dtype], f"{scheme} {options}: {error:.2e}")
 
 
+@pytest.mark.parametrize("destination", [False, True], ids=["own", "into"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_the_merge_kernel_equals_the_eager_merge(dtype, monkeypatch):
+def test_the_merge_kernel_equals_the_eager_merge(dtype, destination, monkeypatch):
     """The online softmax's merge as one Triton kernel (the GPU default) and as eager passes, the last merge
-    told it is final (it then writes the queries' dtype), on strided views as the attention kernels return them."""
+    told it is final (it then writes the queries' dtype), on strided views as the attention kernels return them;
+    ``into``: the result goes to a given view laid out (b, s, n, d), as the schemes hand it, and nowhere else."""
     from tplab.sequence.online_softmax import OnlineSoftmax
 
     generator = torch.Generator(device="cuda").manual_seed(RANK)
@@ -97,12 +99,17 @@ def test_the_merge_kernel_equals_the_eager_merge(dtype, monkeypatch):
     results = {}
     for kernel in (True, False):
         monkeypatch.setattr(OnlineSoftmax, "merge_kernel", kernel)
+        out = None   # (into: a (b, s, n, d) tensor seen as (b, n, s, d), NaN where nothing wrote)
+        if destination:
+            out = torch.full((2, 96, 4, 64), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a kernel failure (the eager fallback warns) fails here
-            acc = OnlineSoftmax(q)
+            acc = OnlineSoftmax(q, out=out)
             for i, (k, v) in enumerate(blocks):
                 acc.update(q, k, v, final=i == len(blocks) - 1)
-        results[kernel] = (acc.result(), acc.lse)
+        result = acc.result()
+        agree(not destination or (result is out and result.stride() == out.stride()), "the result is not in out")
+        results[kernel] = (result, acc.lse)
         agree(OnlineSoftmax.merge_kernel == kernel, "the merge kernel fell back to the eager passes")
     (out_k, lse_k), (out_e, lse_e) = results[True], results[False]
     agree(out_k.dtype == dtype and out_k.shape == q.shape, f"{out_k.dtype} {tuple(out_k.shape)}")

@@ -209,6 +209,24 @@ def test_the_online_softmax_of_blocks_in_any_order_is_full_attention():
         agree(torch.allclose(softmax.result(), full, **TOL), differs(softmax.result(), full))
 
 
+def test_the_online_softmax_writes_its_result_where_it_is_told():
+    """``out``: the result lands in the given view (here laid out (b, s, n, d), as the schemes give it), the
+    same values as without; a view of another shape or dtype is refused; no block at all gives zeros."""
+    q, k, v = qkv(seed=7, kv_heads=8)
+    full = attend(q, k, v, causal=False)
+    b, n, s, d = q.shape
+    out = torch.full((b, s, n, d), float("nan"), dtype=q.dtype).transpose(1, 2)
+    softmax = OnlineSoftmax(q, out=out)
+    for i in range(0, k.shape[2], 4):
+        softmax.update(q, k[:, :, i:i + 4], v[:, :, i:i + 4], final=i + 4 >= k.shape[2])
+    result = softmax.result()
+    agree(result is out and torch.allclose(out, full, **TOL), differs(out, full))
+    for bad in (torch.empty(b, n, s + 1, d, dtype=q.dtype), torch.empty(b, n, s, d, dtype=torch.float32)):
+        with pytest.raises(ValueError, match="OnlineSoftmax: out must be"):
+            OnlineSoftmax(q, out=bad)
+    agree(bool((OnlineSoftmax(q).result() == 0).all()), "attention over no key is not zeros")
+
+
 def test_the_layer_refuses_a_fused_kv_that_is_not_this_blocks_or_next_another_gather():
     """(FusedKV itself needs a GPU: tests/gpu/test_gpu_fused_kv.py. Here, the layer's checks of it, on every rank.)"""
     from types import SimpleNamespace

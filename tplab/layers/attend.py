@@ -138,7 +138,7 @@ def _cudnn_attention_with_lse(q, k, v, causal: bool, scale: float):
     if k.shape[2] == 1 or d % 8 or d > 256 or not _CUDNN_USABLE.get(key, True):
         return None
     try:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention.default(   # (.default: no overload lookup)
             q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     except _CUDA_FAILURES:
         raise

@@ -34,9 +34,11 @@ exp(-inf - -inf) appears. Merges are summed in float32 at least (bf16 inputs), a
 are, and the running (out, lse) kept so; each block's out comes back in the inputs' dtype, as the kernel
 writes it. Bytes matter here (each merge reads and writes the whole output: at the course project's size a
 merge is memory-bound), so the first block is kept as the kernel wrote it (the next merge widens it as it
-reads it) and the last merge, told it is ``final``, writes the inputs' dtype at once. Counted in bf16
-outputs (O), p blocks then cost 5(p-1)-2 O of memory traffic instead of 5(p-1)+6 O (widening the first block,
-casting the sum at the end): at p = 4 and the course project's size (O = 42 MB), 0.55 GB instead of 0.88.
+reads it) and the last merge, told it is ``final``, writes the inputs' dtype at once -- into ``out`` when
+the caller gives one (the schemes give a view of the output projection's (b, s, n, d) layout: no copy of the
+result afterwards). Counted in bf16 outputs (O), p blocks then cost 5(p-1)-2 O of memory traffic instead of
+5(p-1)+6 O (widening the first block, casting the sum at the end): at p = 4 and the course project's size
+(O = 42 MB), 0.55 GB instead of 0.88.
 """
 
 from __future__ import annotations
@@ -54,13 +56,22 @@ class OnlineSoftmax:
     # Where Triton cannot run it (none installed, no compiler), the eager passes, with a warning.
     merge_kernel = True
 
-    def __init__(self, q: torch.Tensor):  # q: (b, n, sq, d), the queries whose outputs we accumulate
+    def __init__(self, q: torch.Tensor, out: torch.Tensor | None = None):
+        """q: (b, n, sq, d), the queries whose outputs we accumulate. ``out``: where the result goes (q's shape
+        and dtype, any strides), or None: a tensor of its own."""
         self.out_dtype = q.dtype
         self.acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        b, n, sq, d = q.shape
-        self.out = torch.zeros((b, n, sq, d), dtype=self.acc_dtype, device=q.device)  # attention over keys seen so far
-        self.lse = torch.full((b, n, sq), float("-inf"), dtype=self.acc_dtype, device=q.device)  # their log-sum-exp
-        self.empty = True  # no key seen yet
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"OnlineSoftmax: out must be a {tuple(q.shape)} {q.dtype} tensor on {q.device}, "
+                             f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+        self.destination, self.shape, self.device = out, q.shape, q.device
+        # (out, lse): the attention over the keys seen so far and their log-sum-exp; None until the first block,
+        # which becomes them as it is (no zeros written only to be replaced)
+        self.out = self.lse = None
+
+    @property
+    def empty(self) -> bool:  # no key seen yet
+        return self.out is None
 
     def update(self, q, k, v, causal_diagonal: bool = False, final: bool = False) -> None:
         """Fold in keys k and values v (b, n, sk, d). ``causal_diagonal``: q and k cover the same
@@ -70,15 +81,18 @@ class OnlineSoftmax:
     def merge(self, out_b: torch.Tensor, lse_b: torch.Tensor, final: bool = False) -> None:
         """Fold in the attention over another set of keys: out_b (b, n, sq, d) with its lse_b (b, n, sq).
         ``final``: no block follows, so the merge writes the result in the queries' dtype (bf16: half the
-        bytes of a float32 sum, and no separate cast). A block merged after it still works, rounded once more."""
-        lse_b = lse_b.to(self.lse.dtype)
+        bytes of a float32 sum, and no separate cast), into ``out`` if one was given. A block merged after
+        it still works, rounded once more."""
+        if lse_b.dtype != self.acc_dtype:
+            lse_b = lse_b.to(self.acc_dtype)
         if self.empty:  # the first block is the summary (the formula gives the same, with two more passes); kept
-            self.out, self.lse, self.empty = out_b, lse_b, False  # in its dtype: the next merge widens it as it reads
+            self.out, self.lse = out_b, lse_b  # in its dtype: the next merge widens it as it reads
             return
+        into = self.destination if final else None
         if self.out.is_cuda and self.acc_dtype == torch.float32 and OnlineSoftmax.merge_kernel:
             try:
                 self.out, self.lse = _merge_kernel()(self.out, self.lse, out_b, lse_b,
-                                                     self.out_dtype if final else self.acc_dtype)
+                                                     self.out_dtype if final else self.acc_dtype, into)
                 return
             except Exception as e:  # noqa: BLE001 - any failure to build or launch it: the same formula, eagerly
                 OnlineSoftmax.merge_kernel = False
@@ -91,7 +105,15 @@ class OnlineSoftmax:
         self.lse = lse
 
     def result(self) -> torch.Tensor:
-        return self.out.to(self.out_dtype)  # (b, n, sq, d)
+        """The attention over every key folded in (b, n, sq, d), in the queries' dtype: ``out`` if one was
+        given (the last merge wrote it there, or the result is copied in), else a tensor of its own."""
+        if self.empty:  # (no key at all: attention over nothing, zeros by the convention of the exact path)
+            result = torch.zeros(self.shape, dtype=self.out_dtype, device=self.device)
+        else:
+            result = self.out.to(self.out_dtype)
+        if self.destination is None or result is self.destination:
+            return result
+        return self.destination.copy_(result)
 
 
 _kernel = None

@@ -8,7 +8,7 @@ for the one before. Here every rank sends its block to every peer at once (a sha
 bytes as the all-gather), and my queries fold in the blocks in the order they are asked for -- mine
 first (it is here), then r+1, r+2, ... -- each as soon as it has landed:
 
-    gathered = exchange.start_gather(stack(k, v))   every block starts moving to every rank
+    gathered = exchange.start_gather(kv_block(k, v))    every block starts moving to every rank
     (the layer computes Q here, while the blocks travel)
     for owner in r, r+1, ..., r-1:
         fold my queries against gathered.shard(owner) into the online softmax    (waits for that block only)
@@ -33,7 +33,7 @@ import torch
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.online_softmax import OnlineSoftmax
-from tplab.sequence.ring import fold_block, refuse_gradients
+from tplab.sequence.ring import fold_block, kv_block, output_like, refuse_gradients
 
 
 # communicator -> its message exchange (see default_exchange). The exchange refers to its communicator, so
@@ -62,7 +62,7 @@ class StreamedKV:
     def __init__(self, k, v, comm, exchange, layout):
         self.rank, self.size, self.layout = comm.rank, comm.size, layout
         self.exchange = default_exchange(comm) if exchange is None else exchange
-        kv = torch.stack([k, v])  # (2, b, n_kv, s/p, d): one block per rank
+        kv = kv_block(k, v)  # (2, b, s/p, n_kv, d): one block per rank
         numbering = (getattr(self.exchange, "rank", self.rank), getattr(self.exchange, "size", self.size))
         if numbering != (self.rank, self.size):  # block q must be rank q's tokens: one numbering for both
             self.exchange.refuse("start_gather", f"the exchange numbers this rank {numbering[0]} of {numbering[1]}, "
@@ -78,7 +78,9 @@ class StreamedKV:
             mine = my_chunks(self.rank, self.size, self.layout)
             length = q.shape[2] // len(mine)
             queries = list(zip(mine, q.split(length, dim=2)))  # [(chunk index, (b, n, L, d)), ...]
-            softmax = [OnlineSoftmax(q_chunk) for _, q_chunk in queries]
+            y = output_like(q)
+            softmax = [OnlineSoftmax(q_chunk, out=y_chunk)
+                       for (_, q_chunk), y_chunk in zip(queries, y.split(length, dim=2))]
             for owner in self.gathered.order:  # mine first, then r+1, r+2, ...
                 fold_block(softmax, queries, self.gathered.shard(owner), my_chunks(owner, self.size, self.layout),
                            causal=causal, stats=stats, final=owner == self.gathered.order[-1])
@@ -88,7 +90,9 @@ class StreamedKV:
             self.exchange.abandon()
             raise
         self.gathered.done()
-        return torch.cat([acc.result() for acc in softmax], dim=2)  # (b, n, s/p, d)
+        for acc in softmax:
+            acc.result()  # (each chunk's result in y: written there by its last merge, or copied in)
+        return y  # (b, n, s/p, d)
 
 
 def start_streamed_kv(k, v, comm, *, queries, layout: str = "contiguous", exchange=None,
