@@ -94,4 +94,11 @@ def test_a_captured_pass_is_refused_on_every_rank():
     got = exchange.start_pass(block).wait()                 # it still works eagerly (nothing was queued)
     agree(float(got[0]) == (RANK - 1) % P, f"after the refused capture: {float(got[0])}")
     torch.cuda.synchronize()
+    # a pass that forwards the block the last one returned (it skips the host agreement) is refused alike
+    with pytest.raises(CollectiveArgumentError, match="cannot be captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            exchange.start_pass(got)
+    got = exchange.start_pass(got).wait()
+    agree(float(got[0]) == (RANK - 2) % P, f"after the refused forwarded capture: {float(got[0])}")
+    torch.cuda.synchronize()
     exchange.close()

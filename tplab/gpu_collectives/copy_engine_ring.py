@@ -62,10 +62,16 @@ class CopyEngineRing:
             self.stream = torch.cuda.Stream()
         self.held = 0            # the slot that holds the block my next pass sends on
         self._called = None      # the caller's stream at the last pass's call (an event)
+        self._sent = None        # the last pass's block: (shape, dtype)
         self._views = {}         # tensors over my slots, by (slot, shape, dtype)
 
     def _pointer(self, rank: int, slot: int) -> int:
         return self.memory.data_pointer(rank) + slot * self.slot
+
+    def forwards(self, block) -> bool:
+        """Whether ``block`` is the one the last pass returned (my slot that it filled, as that shape and dtype)."""
+        return (self._sent is not None and block.data_ptr() == self._pointer(self.rank, self.held)
+                and (tuple(block.shape), block.dtype) == self._sent)
 
     def start_pass(self, block, caller) -> "CopyEnginePass":
         import torch
@@ -86,7 +92,7 @@ class CopyEngineRing:
         left, target = (self.rank - 1) % self.size, (self.held + 1) % SLOTS
         _copy(self._pointer(self.rank, target), self._pointer(left, self.held), nbytes, self.stream,
               self.exchange.piece)
-        self.held = target
+        self.held, self._sent = target, (tuple(block.shape), block.dtype)
         return CopyEnginePass(self.exchange, caller, self.stream.record_event(),
                               self._view(target, tuple(block.shape), block.dtype))
 
