@@ -1,17 +1,19 @@
 """Where the sequence-parallel layer's floor goes, kernel by kernel, on one GPU: the course project's layer
 unsplit (all tokens) against one rank's share of it split p ways with nothing moved (a NullExchange: the
-all-gather K/V and streamed K/V schemes' compute alone), under torch.profiler.
+all-gather K/V, streamed K/V and ring schemes' compute alone), under torch.profiler.
 
     python scripts/gpu_sequence_floor_profile.py [--p 4 --batch 4 --seq 4096 --hidden 5120 --heads 40]
     python scripts/gpu_sequence_floor_profile.py --device cpu     # a dry run, tiny, no kernel times
 
-Per layer: its median ms (CUDA events, 20 calls after 5; on the CPU the host's clock), and the GPU time of each kernel a call (3 profiled
-calls), times p for the split layer: what the p ranks spend in all, next to the one GPU's. The split layer
-runs on a stand-in communicator (rank 0 of p); no other process is needed.
+Per layer: its median ms (CUDA events, 20 calls after 5; on the CPU the host's clock), the host's time to
+queue a call, and the GPU time of each kernel a call (3 profiled calls), times p for the split layer: what the
+p ranks spend in all, next to the one GPU's. The split layer runs on a stand-in communicator (rank 0 of p);
+no other process is needed.
 """
 
 import argparse
 import statistics
+import time
 from functools import partial
 
 import torch
@@ -32,6 +34,19 @@ class RankZero:
 
 def median_ms(fn, cuda, iters=20, warmup=5):
     return statistics.median(time_calls(fn, iters=iters, warmup=warmup, cuda=cuda)) * 1e3   # (CPU: perf_counter)
+
+
+def median_host_ms(fn, cuda, iters=20):
+    """The host's time to queue one call (from an idle GPU to the call's return, before its kernels end):
+    near the GPU's time, the GPU waits for the launches."""
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
 
 
 def main():
@@ -56,11 +71,14 @@ def main():
                   block, comm, scheme="allgather_kv", causal=False, check=False,
                   gather=partial(exchange_allgather_first_dim, exchange=nothing)), mine, args.p),
               f"streamed_kv, rank 0 of {args.p}, nothing moved": (SequenceParallelBlock(
-                  block, comm, scheme="streamed_kv", causal=False, check=False, exchange=nothing), mine, args.p)}
+                  block, comm, scheme="streamed_kv", causal=False, check=False, exchange=nothing), mine, args.p),
+              f"ring, rank 0 of {args.p}, nothing moved": (SequenceParallelBlock(
+                  block, comm, scheme="ring", causal=False, check=False, exchange=nothing), mine, args.p)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.no_grad():
         for name, (layer, inp, ranks) in layers.items():
             ms = median_ms(lambda: layer(inp), cuda)
+            host_ms = median_host_ms(lambda: layer(inp), cuda)
             with profile(activities=activities) as prof:
                 for _ in range(3):
                     layer(inp)
@@ -69,7 +87,8 @@ def main():
             kernels = [(ev.self_device_time_total / 3e3, ev.count // 3, ev.key) for ev in prof.key_averages()
                        if getattr(ev, "self_device_time_total", 0) > 0 and not ev.key.startswith("aten::")]
             total = sum(t for t, _, _ in kernels)
-            print(f"\n{name}: {ms:.3f} ms a call (x{ranks}: {ms * ranks:.3f}); kernels {total:.3f} ms a call")
+            print(f"\n{name}: {ms:.3f} ms a call (x{ranks}: {ms * ranks:.3f}); kernels {total:.3f} ms a call; "
+                  f"the host's launches {host_ms:.3f} ms a call")
             for t, count, key in sorted(kernels, reverse=True)[:10]:
                 print(f"  {t:7.3f} ms  x{count:<3d} (x{ranks}: {t * ranks:7.3f})  {key[:90]}")
 
