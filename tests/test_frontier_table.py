@@ -31,15 +31,15 @@ def h200_runs(folder):
 
 
 def h100_runs(folder):
-    # the third start of the Lamport run: the code as committed (one_shot_lamport to 1 MiB, its blocks by size)
-    one_start("gpu_frontier_4x-h100_small-messages_lamport.csv", 3).to_csv(folder / "small.csv", index=False)
-    one_start("gpu_frontier_4x-h100_256MiB_lamport.csv", 3).to_csv(folder / "large.csv", index=False)
-    one_start("gpu_api_allreduce_4x-h100_lamport.csv", 3).to_csv(folder / "gpu_api_allreduce_4x-h100.csv", index=False)
+    # the run of the lean ring (one machine start, the code as committed): the frontier with LAYERS=1, its
+    # sequence-parallel layer in three runs; the same file holds two earlier starts' before/after rounds
+    one_start("gpu_frontier_4x-h100_small-messages_lean-ring.csv", 1).to_csv(folder / "small.csv", index=False)
+    one_start("gpu_frontier_4x-h100_256MiB_lean-ring.csv", 1).to_csv(folder / "large.csv", index=False)
+    one_start("gpu_api_allreduce_4x-h100_lean-ring.csv", 1).to_csv(folder / "gpu_api_allreduce_4x-h100.csv",
+                                                                   index=False)
     (folder / "async_tp_gpu_4x-nvidia-h100-80gb-hbm3.csv").write_bytes(
-        (DATA / "async_tp_gpu_4x-h100_whole-attention.csv").read_bytes())
-    # the latest 4x H100 run with every path in the same rounds: the fused K/V gather, NCCL's all-gather, ring
-    # attention over NCCL and over the copy engines (the Triton merge kernel, two ring slots), three rounds
-    return one_start("sequence_parallel_gpu_4x-h100_ring-copy-engines.csv", 4).drop(columns=["round", "code"])
+        (DATA / "async_tp_gpu_4x-h100_lean-ring.csv").read_bytes())
+    return one_start("sequence_parallel_gpu_4x-h100_lean-ring.csv", 3).drop(columns=["round", "code"])
 
 
 @pytest.mark.parametrize("card, runs", [("h200", h200_runs), ("h100", h100_runs)])

@@ -3,6 +3,8 @@
     sp_floor(rows, dtype)     05: the layer on p GPUs per scheme and path, next to its compute with nothing moved
     lse_kernel_before_after(rows, dtype)   05: the same layer with its blocks on FlashAttention's kernel and
                               on cuDNN's (sequence_parallel_gpu_*_cudnn-lse.csv)
+    ring_host_before_after(rows, dtype)    05: ring attention before and after its host path was trimmed
+                              (sequence_parallel_gpu_4x-h100_lean-ring.csv)
     overlap_attempts(rows, dtype)   05: the all-gather scheme's paths and the ways tried to hide its transfers,
                               medians and ranges over rounds (sequence_parallel_gpu_4x-h100_overlap-attempts.csv)
 """
@@ -46,26 +48,45 @@ def lse_kernel_before_after(rows, dtype="bfloat16"):
     """The A/B rounds of sequence_parallel_gpu_*_cudnn-lse.csv: for each (scheme, path), the layer's time with
     attend_with_lse on FlashAttention's kernel (pale) and on cuDNN's (dark), the median of the rounds of each,
     the scheme's colour; the unsplit layer's time / p as a grey line."""
-    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype) & rows.lse_kernel.isin(["flash", "cudnn"])]
-    layer = layer.assign(cudnn=layer.lse_kernel == "cudnn")
-    times = layer.groupby(["scheme", "path", "cudnn"]).time_s.median().unstack("cudnn") * 1e3   # ms
-    times = times.sort_values(True)   # (the fastest on top)
+    chosen = rows.lse_kernel.isin(["flash", "cudnn"])
+    return _before_after(rows[chosen], rows[chosen].lse_kernel == "cudnn", dtype,
+                         "the same blocks, another attention kernel\n(pale: attend_with_lse on FlashAttention, dark: "
+                         "on cuDNN)")
+
+
+def ring_host_before_after(rows, dtype="bfloat16", before="f25a1e8, before this change"):
+    """The A/B rounds of sequence_parallel_gpu_4x-h100_lean-ring.csv: ring attention's and streamed K/V's paths (the
+    all-gather's compute as the control) with the code ``before`` (pale) and after (dark), medians and ranges
+    over the rounds of the machine starts that ran both; the unsplit layer's time / p as a grey line."""
+    both = rows[rows.machine_start.isin(rows[rows.code == before].machine_start.unique())]
+    both = both[both.scheme.isin(["ring", "streamed_kv"]) | (both.path == "compute_only") | (both.kind == "unsplit")]
+    return _before_after(both, both.code != before, dtype,
+                         "ring attention, its host path trimmed\n(pale: before, dark: after; the same machines)")
+
+
+def _before_after(rows, after, dtype, title):
+    """Each (scheme, path)'s layer time before (pale) and after (dark): the median of its rounds (bar) and their
+    range (whisker), the scheme's colour, hatched where nothing moved; the unsplit layer / p as a grey line."""
+    layer = rows[(rows.kind == "layer") & (rows.dtype == dtype)].assign(after=after)
+    stats = layer.groupby(["scheme", "path", "after"]).time_s.agg(["median", "min", "max"]).unstack("after") * 1e3
+    stats = stats.sort_values(("median", True))   # (the fastest on top)
     p = int(layer.p.max())
-    fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.55 * len(times) + 1.4), constrained_layout=True)
-    for y, ((scheme, path), row) in enumerate(times.iterrows()):
-        for offset, cudnn in ((-0.2, False), (0.2, True)):   # (the axis inverted: before above after)
-            ax.barh(y + offset, row[cudnn], height=0.38, color=color_of(scheme), alpha=0.9 if cudnn else 0.35,
+    fig, ax = plt.subplots(figsize=(min(9.0, MAX_WIDTH), 0.55 * len(stats) + 1.4), constrained_layout=True)
+    for y, ((scheme, path), row) in enumerate(stats.iterrows()):
+        for offset, done in ((-0.2, False), (0.2, True)):   # (the axis inverted: before above after)
+            ax.barh(y + offset, row[("median", done)], height=0.38, color=color_of(scheme), alpha=0.9 if done else 0.35,
                     hatch="//" if path.startswith("compute_") else None, edgecolor="0.3")
-            ax.text(row[cudnn], y + offset, f" {row[cudnn]:.2f} ms", va="center", fontsize=8)
-    unsplit = rows[(rows.kind == "unsplit") & (rows.dtype == dtype) & rows.lse_kernel.isin(["flash", "cudnn"])]
+            ax.plot([row[("min", done)], row[("max", done)]], [y + offset] * 2, color="0.2", lw=1)
+            ax.text(row[("max", done)], y + offset, f" {row[('median', done)]:.2f} ms", va="center", fontsize=8)
+    unsplit = rows[(rows.kind == "unsplit") & (rows.dtype == dtype)]
     ideal = float(unsplit.time_s.median()) / p * 1e3
     ax.axvline(ideal, color="0.5", lw=1)
     ax.text(ideal, -0.75, f" one GPU / {p} = {ideal:.2f} ms", color="0.4", fontsize=8, va="center")
-    ax.set_ylim(-1.1, len(times) - 0.4)
-    ax.set_yticks(range(len(times)), [f"{scheme} / {path}" for scheme, path in times.index], fontsize=8)
+    ax.set_ylim(-1.1, len(stats) - 0.4)
+    ax.set_yticks(range(len(stats)), [f"{scheme} / {path}" for scheme, path in stats.index], fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; hatched: nothing moved)", xlim=(0, times.max().max() * 1.25),
-           title="the same blocks, another attention kernel\n(pale: attend_with_lse on FlashAttention, dark: on cuDNN)")
+    ax.set(xlabel=f"ms per layer ({dtype}, {p} GPUs; hatched: nothing moved)",
+           xlim=(0, stats["max"].max().max() * 1.25), title=title)
     ax.grid(alpha=0.3, axis="x")
     return fig
 
