@@ -132,6 +132,34 @@ def test_streamed_kv_goes_on_after_one_rank_failed_mid_call(monkeypatch):
     agree(torch.allclose(again, expected, **TOL), differs(again, expected))
 
 
+def test_the_ring_goes_on_after_one_rank_failed_mid_call(monkeypatch):
+    """Rank 0's compute fails at the ring's second step: it passes on every block still owed, without computing,
+    and raises; the other ranks' results are exact (no block they wait for is missing), and the next call is
+    exact on every rank."""
+    from tplab.sequence import ring
+
+    q, k, v = (mine(t, "zigzag") for t in qkv(seed=8))
+    expected = mine(attend(*qkv(seed=8), causal=True), "zigzag")
+    fold, folds = ring.fold_block, []
+
+    def failing_second(*args, **kwargs):
+        folds.append(1)
+        if len(folds) == 2:
+            raise RuntimeError("injected failure")
+        return fold(*args, **kwargs)
+
+    if RANK == 0 and P > 1:
+        monkeypatch.setattr(ring, "fold_block", failing_second)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            ring.ring_attention(q, k, v, C, causal=True, layout="zigzag")
+        monkeypatch.undo()
+    else:
+        got = ring.ring_attention(q, k, v, C, causal=True, layout="zigzag")
+        assert torch.allclose(got, expected, **TOL), differs(got, expected)   # (this rank alone: not agree)
+    again = ring.ring_attention(q, k, v, C, causal=True, layout="zigzag")
+    agree(torch.allclose(again, expected, **TOL), differs(again, expected))
+
+
 def test_null_exchange_fills_out_with_this_ranks_shard():
     from tplab.comm.shard_exchange import NullExchange
 

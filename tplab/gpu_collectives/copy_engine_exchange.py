@@ -247,7 +247,10 @@ class CopyEngineExchange:
         """A ring's step: my block to my right neighbour, the left's to me (copy_engine_ring.py). A pass that
         forwards the block the last pass returned needs no host agreement: every rank forwards its own, of
         the shape and dtype they agreed on then (the MPI call, which ties the hosts together, cost 0.1-0.15 ms
-        a pass on 4x H100 hosts, and ring attention is host-bound there)."""
+        a pass on 4x H100 hosts, and ring attention is host-bound there). What this gives up: ranks whose
+        programs diverge mid-ring (one forwards the block, another a copy of it) now wait for each other instead
+        of raising. A rank whose compute fails mid-ring passes on the blocks it still owes first (ring.py's
+        RingAttention._pass_on), so its peers finish."""
         forwards = self.ring is not None and "pass" not in self._open and self.ring.forwards(block)
         caller = self._check(block, "start_pass", agreed=forwards)
         if self.ring is None:          # (collective: every rank has just agreed to this call)

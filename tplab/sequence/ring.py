@@ -128,8 +128,12 @@ class RingAttention:
                 if 0 < step < p - 1:  # start moving the next block now, so it can travel while we compute
                     self.passing = self.passes.start_pass(kv)
                 started = time.perf_counter()
-                fold_block(softmax, queries, kv, my_chunks(owner, p, self.layout), causal=causal, stats=stats,
-                           final=step == p - 1)
+                try:
+                    fold_block(softmax, queries, kv, my_chunks(owner, p, self.layout), causal=causal, stats=stats,
+                               final=step == p - 1)
+                except BaseException:
+                    self._pass_on(kv, step)   # (then this rank raises; its peers' ring ends as it would have)
+                    raise
                 stats["compute_s"] += time.perf_counter() - started
                 if step < p - 1:
                     started = time.perf_counter()
@@ -141,6 +145,19 @@ class RingAttention:
         for acc in softmax:
             acc.result()  # (each chunk's result in y: written there by its last merge, or copied in)
         return y  # (b, n, s/p, d)
+
+    def _pass_on(self, kv, step: int) -> None:
+        """This rank's compute failed at ``step``: pass on, without computing, every block still owed to the
+        right neighbour, so that the peers' ring ends as it would have, their results exact: no peer waits for
+        a block that would never come. What fails on the way is dropped: the caller raises the compute's error."""
+        try:
+            if step < self.size - 1:
+                kv = self.passing.wait()
+                for _ in range(step + 1, self.size - 1):
+                    self.passing = self.passes.start_pass(kv)
+                    kv = self.passing.wait()
+        except BaseException:  # noqa: BLE001 - the compute's error is the one to raise
+            pass
 
 
 def start_ring(k, v, comm, *, queries, layout: str = "contiguous", exchange=None, check: bool = True) -> RingAttention:
