@@ -61,7 +61,7 @@ def ring_host_before_after(rows, dtype="bfloat16", before="f25a1e8, before this 
     both = rows[rows.machine_start.isin(rows[rows.code == before].machine_start.unique())]
     both = both[both.scheme.isin(["ring", "streamed_kv"]) | (both.path == "compute_only") | (both.kind == "unsplit")]
     return _before_after(both, both.code != before, dtype,
-                         "ring attention, its host path trimmed\n(pale: before, dark: after; the same machines)")
+                         "ring attention, its host path trimmed\n(pale: before, dark: after; on the same two machines)")
 
 
 def _before_after(rows, after, dtype, title):

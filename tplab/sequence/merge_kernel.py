@@ -72,9 +72,10 @@ def _launch(grid, tensors, integers, width):
     """_merge on ``grid``. The first call of a kind goes through Triton's dispatcher, which compiles (or finds)
     the kernel for it and returns it; later calls of that kind launch it directly. A kind is everything the
     dispatcher specializes on, so the kernel found is the one it would pick: each tensor's dtype and whether
-    its address is a multiple of 16, and the integers' values (a ring repeats a few kinds of call)."""
+    its address is a multiple of 16, and the integers' values (a ring repeats a few kinds of call); and the GPU
+    it was loaded on, and ROWS."""
     global direct
-    key = (tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), integers, width)
+    key = (tensors[0].device, ROWS, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), integers, width)
     kernel = _compiled.get(key) if direct else None
     if kernel is not None:
         try:

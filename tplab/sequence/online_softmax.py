@@ -110,10 +110,10 @@ class OnlineSoftmax:
         if self.empty:  # (no key at all: attention over nothing, zeros by the convention of the exact path)
             result = torch.zeros(self.shape, dtype=self.out_dtype, device=self.device)
         else:
-            result = self.out.to(self.out_dtype)
-        if self.destination is None or result is self.destination:
-            return result
-        return self.destination.copy_(result)
+            result = self.out
+        if self.destination is None:
+            return result.to(self.out_dtype)
+        return result if result is self.destination else self.destination.copy_(result)   # (copy_ casts)
 
 
 _kernel = None
