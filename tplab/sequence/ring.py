@@ -21,8 +21,14 @@ exchange's ``start_pass`` (on the GPUs of one node, the copy engines pull the le
 with no SM taken from the attention).
 
 Each block's attention is one fused kernel that returns the block's log-sum-exp next to its output
-(``attend_with_lse``: cuDNN's or FlashAttention's kernel on a GPU); the online softmax merges the (out, lse) pairs, so no
-block's (s/p)² scores are written to memory.
+(``attend_with_lse``: cuDNN's or FlashAttention's kernel on a GPU); the online softmax merges the (out, lse)
+pairs, so no block's (s/p)² scores are written to memory. On a GPU a step is a few calls from the host, and on
+some hosts those calls take longer than the step's kernels: so a block travels token-major, as the
+projections lay K and V out (``kv_block``: stacking them is a plain copy), and each query chunk's last merge
+writes straight into the layout the output projection reads (``output_like``).
+
+A rank whose compute fails mid-ring still passes on the blocks it owes, computing nothing, before it raises
+(``RingAttention._pass_on``): its peers never wait for a block that would not come, and their results are exact.
 
 Bytes sent per rank: p-1 blocks of 2·b·(s/p)·h_kv·bytes = 2 (p-1)/p · b·s·h_kv·bytes, the same as the
 all-gather (tplab.cost.sequence_parallel), in p-1 messages (k and v travel together).
