@@ -39,7 +39,11 @@ it arrives (tplab.sequence.allgather_kv): the rows' path is then ``<path>_g<G>``
 (``side_stream=True``; path ``<path>_side``). Timing: CUDA events around each forward
 (they count the time the GPU waits for the host: copies and host MPI), --warmup untimed calls, the median of
 --iters, the slowest rank. The unsplit layer on one GPU is timed in every run (rank 0) as the baseline of
-``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--components`` adds
+``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--graphs`` also times
+the paths of ``--graph-paths`` (and the one-GPU layer) as CUDA graph replays: two layer calls captured in one
+graph, as a stack of layers replays them, timed per call, so that the host's time to queue a call drops out
+(the rows' path gets the suffix ``_graph``; the copy engines' graphs use exchanges of their own, made for the
+row). ``--components`` adds
 rows timing the pieces of one all-gather (PCIe copies, host MPI, NVLink) for the cost model
 (tplab.cost.staged_vs_direct). Output: OUT_DIR/sequence_parallel_gpu_<card>.csv with a ``machine`` column.
 
@@ -287,6 +291,36 @@ def measure(fn, host, args):
                                   cuda=args.device == "cuda"), host)
 
 
+GRAPH_CALLS = 2   # layer calls per graph: a stack's replay; an even count also keeps FusedKV's halves apart
+
+
+def graph_replay(layer, x, args):
+    """``layer`` captured in one CUDA graph, GRAPH_CALLS calls on a static copy of x, after eager warm-up calls
+    (compilation, the exchanges' areas): (replay, the last call's output, the static input)."""
+    static = x.clone()
+    with torch.no_grad():
+        for _ in range(max(1, args.warmup)):
+            layer(static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [layer(static) for _ in range(GRAPH_CALLS)]
+    return graph.replay, outs[-1], static
+
+
+def graph_options(base_name, options, scheme, exchange):
+    """The options of a path's graph row: the copy engines' get exchanges of their own (a captured call makes
+    an exchange meet its peers before every later call: the eager rows after it would pay for that), closed
+    after the row. -> (options, the exchanges to close)."""
+    if base_name != "direct_copy_engine":
+        return options, []
+    from tplab.gpu_collectives.copy_engine_exchange import CopyEngineExchange
+
+    fresh = [CopyEngineExchange(MPI.COMM_WORLD, exchange[0].slot) for _ in "ms"]
+    made = {"exchange": fresh[0], "gather": copy_engine_gather(*fresh)}
+    return {**options, **{key: value for key, value in made.items() if key in OPTIONS.get(scheme, ())}}, fresh
+
+
 def same_everywhere(tensors, host):
     """Rank 0's values on every rank (the seeds should already agree; this makes sure)."""
     for t in tensors:
@@ -302,6 +336,15 @@ def unsplit_time(whole, x_full, host, args) -> float:
         with torch.no_grad():
             time_s = statistics.median(time_calls(lambda: whole(x_full), iters=args.iters, warmup=args.warmup,
                                                   cuda=args.device == "cuda"))
+    return host.allgather_object(time_s)[0]
+
+
+def unsplit_graph_time(whole, x_full, host, args) -> float:
+    """The unsplit layer as graph replays (graph_replay), timed on rank 0 per call; every rank gets the time."""
+    time_s = None
+    if host.rank == 0:
+        replay, _, _ = graph_replay(whole, x_full, args)
+        time_s = statistics.median(time_calls(replay, iters=args.iters, warmup=args.warmup, cuda=True)) / GRAPH_CALLS
     return host.allgather_object(time_s)[0]
 
 
@@ -327,6 +370,11 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     rows = [{**common, "kind": "unsplit", "p": 1, "tokens_per_rank": args.batch * s, "path": "one_gpu",
              "scheme": "none", "time_s": unsplit, "speedup": 1.0, "efficiency": 1.0,
              "tokens_per_s": args.batch * s / unsplit}]
+    if args.graphs and args.device == "cuda":
+        graphed = unsplit_graph_time(whole, x_full, host, args)
+        rows.append({**rows[0], "path": "one_gpu_graph", "time_s": graphed, "speedup": unsplit / graphed,
+                     "efficiency": unsplit / graphed, "tokens_per_s": args.batch * s / graphed})
+        log(f"  {mode:6} {dtype_name:8} one GPU: {unsplit * 1e3:.2f} ms eagerly, {graphed * 1e3:.2f} ms replayed")
     x = shard(x_full, host.rank, p, args.layout, dim=1)  # (b, s/p, h)
     # one GPU: nothing to gather, every path is the same code; run each scheme once
     runs = [("single_gpu", "one GPU, no communication", host, {}, set(args.schemes), True)] if p == 1 else paths
@@ -380,12 +428,51 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
                          "max_rel_error": max(host.allgather_object(error))})
             log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:16} {time_s * 1e3:9.2f} ms  "
                 f"speedup {unsplit / time_s:5.2f}x  error {rows[-1]['max_rel_error']:.1e}")
+            if args.graphs and args.device == "cuda" and base_name in args.graph_paths and p > 1:
+                rows.append(graph_row(rows[-1], host, block, comm, scheme, base_name, options, x, expected, args))
             if layer.fused_kv is not None:
                 layer.fused_kv.close()
     del x_full, expected
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def graph_row(eager, host, block, comm, scheme, base_name, options, x, expected, args) -> dict:
+    """The row ``eager`` again, its layer replayed from a CUDA graph (graph_replay): time per call and error."""
+    p = host.size
+    options, exchanges = graph_options(base_name, options, scheme, PATH_EXCHANGES.get("exchange"))
+    if options.get("fused_kv") is not None:   # (its own, as the exchanges: the eager row's is closed after it)
+        from tplab.sequence.fused_kv import FusedKV
+
+        options["fused_kv"] = FusedKV(block.attention, MPI.COMM_WORLD, batch=args.batch, tokens_per_rank=x.shape[1])
+    layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal, check=False,
+                                  **options)
+    replay, y, _ = graph_replay(layer, x, args)
+    with torch.no_grad():
+        time_s, fastest = measure(replay, host, args)
+        replay()
+        error = float((y - shard(expected, host.rank, p, args.layout, dim=1)).abs().max().float()
+                      / expected.abs().max().float())
+    time_s, fastest = time_s / GRAPH_CALLS, fastest / GRAPH_CALLS
+    unsplit = eager["unsplit_time_s"]
+    row = {**eager, "path": f"{eager['path']}_graph", "transport": f"{eager['transport']}; {GRAPH_CALLS} layer calls "
+           "captured in one CUDA graph, replayed (time per call)", "time_s": time_s, "fastest_rank_s": fastest,
+           "speedup": unsplit / time_s, "efficiency": unsplit / time_s / p, "tokens_per_s": eager["tokens_per_s"]
+           * eager["time_s"] / time_s, "max_rel_error": max(host.allgather_object(error))}
+    log(f"  {row['mode']:6} {row['dtype']:8} {scheme:12} {row['path']:16} {time_s * 1e3:9.2f} ms  "
+        f"speedup {unsplit / time_s:5.2f}x  error {row['max_rel_error']:.1e}")
+    if layer.fused_kv is not None:
+        layer.fused_kv.close()
+    del layer, replay, y
+    torch.cuda.synchronize()
+    for exchange in exchanges:
+        exchange.close()
+    torch.cuda.empty_cache()
+    return row
+
+
+PATH_EXCHANGES = {}   # main's copy-engine exchanges (graph rows make their own of the same size)
 
 
 def component_rows(host, nccl, vendor, dtype_name, args, peers=None, exchange=None):
@@ -458,6 +545,11 @@ def main():
     parser.add_argument("--eager-merge", action="store_true",
                         help="ring and streamed K/V: each online-softmax merge as eager passes, not the default "
                              "Triton kernel (tplab.sequence.merge_kernel; the rows' path gets the suffix _eager)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time each path of --graph-paths, and the one-GPU layer, as CUDA graph replays "
+                             "(two layer calls a graph; path suffix _graph)")
+    parser.add_argument("--graph-paths", default="compute_only,direct_copy_engine,fused_kv,compute_floor",
+                        help="the paths --graphs replays from graphs")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
     parser.add_argument("--seq", type=int, default=4096)
@@ -474,6 +566,7 @@ def main():
     sys.modules["tplab.layers.attend"].cudnn_with_lse = not args.flash_blocks   # (the package exports attend())
     args.schemes, args.weak_schemes = args.schemes.split(","), args.weak_schemes.split(",")
     args.head_groups = [int(g) for g in args.head_groups.split(",")]
+    args.graph_paths = args.graph_paths.split(",")
     if any(g < 1 or args.heads % g for g in args.head_groups):  # (the layer has as many K/V heads as heads)
         parser.error(f"--head-groups: each G must divide the {args.heads} heads")
 
@@ -501,6 +594,7 @@ def main():
                                            2 * args.batch * per_rank * args.hidden * 4) for _ in "ms"]  # side stream
         except Exception as e:  # noqa: BLE001 - reported; the other paths still run
             log(f"  direct_copy_engine skipped: {type(e).__name__}: {e}")
+    PATH_EXCHANGES["exchange"] = exchange
     paths = paths_here(host, nccl, problem, args.schemes, args.device, peers, exchange)
     if args.paths != "all":
         chosen = args.paths.split(",")

@@ -1,6 +1,7 @@
 """Ring attention's steps through the copy engines (CopyEngineExchange.start_pass): each pass hands every rank
 its left neighbour's block; the ring equals the unsplit layer, call after call, also when one rank computes
-late or the blocks change size; a captured pass is refused on every rank."""
+late or the blocks change size, and replayed from CUDA graphs between eager rings; a ring's first pass in a
+capture, or a pass that forwards a block across a capture's edge, is refused on every rank."""
 
 from gputest import require_gpu
 
@@ -83,22 +84,71 @@ def test_a_rank_that_computes_late_still_folds_the_right_blocks(monkeypatch):
     exchange.close()
 
 
-def test_a_captured_pass_is_refused_on_every_rank():
+def test_a_first_pass_or_a_pass_across_a_captures_edge_is_refused_on_every_rank():
     exchange = CopyEngineExchange(COMM, 1 << 16)
     block = torch.full((4,), float(RANK), device="cuda")
-    exchange.start_pass(block).wait()                       # (eagerly: fine)
-    torch.cuda.synchronize()
-    with pytest.raises(CollectiveArgumentError, match="cannot be captured"):
+    with pytest.raises(CollectiveArgumentError, match="first ring pass must run eagerly"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             exchange.start_pass(block)
-    got = exchange.start_pass(block).wait()                 # it still works eagerly (nothing was queued)
+    got = exchange.start_pass(block).wait()                 # eagerly: fine (nothing was queued)
     agree(float(got[0]) == (RANK - 1) % P, f"after the refused capture: {float(got[0])}")
     torch.cuda.synchronize()
-    # a pass that forwards the block the last one returned (it skips the host agreement) is refused alike
-    with pytest.raises(CollectiveArgumentError, match="cannot be captured"):
+    # a pass that forwards the block the last one returned (it skips the host agreement) across the edge
+    with pytest.raises(CollectiveArgumentError, match="wholly inside a CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             exchange.start_pass(got)
     got = exchange.start_pass(got).wait()
     agree(float(got[0]) == (RANK - 2) % P, f"after the refused forwarded capture: {float(got[0])}")
+    torch.cuda.synchronize()
+    exchange.close()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["in_step", "rank0_late"])
+def test_a_captured_ring_replays_exactly_between_eager_rings(monkeypatch, late):
+    """The layer's ring captured in CUDA graphs (one call, and two in a row), replayed with new inputs and with
+    eager calls between the replays: every result equals the unsplit layer. ``rank0_late``: rank 0 holds its
+    stream ~20 ms before every block's attention, in the graphs too, so a slot rewritten too soon would show."""
+    from tplab.sequence import ring
+
+    if late:
+        fold = ring.fold_block
+
+        def late_fold(*args, **kwargs):
+            if RANK == 0:
+                torch.cuda._sleep(20_000_000)
+            return fold(*args, **kwargs)
+
+        monkeypatch.setattr(ring, "fold_block", late_fold)
+    exchange = CopyEngineExchange(COMM, 1 << 20)
+    block = make_block(64, 8, dtype=torch.float32, seed=0).cuda()
+    layer = SequenceParallelBlock(block, NCCL, scheme="ring", layout="zigzag", causal=True, exchange=exchange)
+    whole = unsplit_layer(block, causal=True)
+
+    def inputs(seed):
+        x = make_input(2, 32 * P, 64, dtype=torch.float32, seed=seed).cuda()
+        return shard(x, RANK, P, "zigzag"), shard(whole(x), RANK, P, "zigzag")
+
+    with torch.no_grad():
+        x, _ = inputs(0)
+        layer(x)                                            # (eagerly first: the ring's area, compilation)
+        static = x.clone()
+        one, two = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(one):
+            y_one = layer(static)
+        with torch.cuda.graph(two):
+            y_first = layer(static)
+            y_second = layer(static)
+        for call in range(3):
+            x, want = inputs(20 + call)
+            static.copy_(x)
+            one.replay()
+            error = relative_error(y_one, want)
+            agree(error < TOLERANCE[torch.float32], f"replay {call}: {error:.2e}")
+            two.replay()
+            for y in (y_first, y_second):
+                agree(relative_error(y, want) < TOLERANCE[torch.float32], f"two in a graph, replay {call}")
+            x, want = inputs(40 + call)                     # an eager ring between the replays
+            error = relative_error(layer(x), want)
+            agree(error < TOLERANCE[torch.float32], f"eager call after replay {call}: {error:.2e}")
     torch.cuda.synchronize()
     exchange.close()

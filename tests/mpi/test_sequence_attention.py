@@ -290,3 +290,18 @@ def test_scaling_study_counts_the_formula_bytes():
     agree([r["p"] for r in rows] == [1, P], str(rows))
     agree(all(r["bytes_per_rank"] == r["predicted_bytes_per_rank"] and r["time_s"] > 0 for r in rows),
           str([(r["bytes_per_rank"], r["predicted_bytes_per_rank"]) for r in rows]))
+
+
+def test_each_query_chunk_is_final_at_the_last_block_it_sees():
+    """The ring folds blocks in the order r, r-1, ...: under a causal mask a query chunk sees nothing after
+    rank 0's block in the contiguous layout, and neither does rank r's first chunk in the zig-zag layout
+    (its second sees every block); without a mask every chunk is final at the last block."""
+    from tplab.sequence.ring import last_blocks
+
+    for p in range(1, 7):
+        for r in range(p):
+            ring_order = tuple((r - step) % p for step in range(p))
+            assert last_blocks((r,), ring_order, p, "contiguous", True) == (0,)
+            assert last_blocks((r, 2 * p - 1 - r), ring_order, p, "zigzag", True) == (0, ring_order[-1])
+            for layout, chunks in (("contiguous", (r,)), ("zigzag", (r, 2 * p - 1 - r))):
+                assert last_blocks(chunks, ring_order, p, layout, False) == (ring_order[-1],) * len(chunks)

@@ -27,7 +27,8 @@ between calls (a call writes a half only when the call before last is over every
     finish():          the caller's stream waits for my pushes, barrier ("every push has landed
                        everywhere"), then one reduction over my p slots -> my rows of the sum.
     start_pass(block): a ring's step (ring attention): the copy engine pulls my left neighbour's block into
-                       a ring area of three slots, made by the first pass (copy_engine_ring.py explains it).
+                       a ring area of three slots, made by the first pass (copy_engine_ring.py explains it,
+                       and how a ring replays from a CUDA graph).
 
 Why one peer at a time (``peers_at_once=1``): the copy engines of an H100 carry about 340 GB/s to one peer
 but only 220-230 GB/s in all when they talk to three at once, so one at a time lands the first shard three
@@ -62,7 +63,8 @@ stack), replayed back to back: then the halves' rule holds across replays as it 
 
 Rules, each checked by every call's agreement (so that a rank that breaks one raises on every rank; a ring
 pass that forwards the block the last pass returned agrees only where it finds a problem: start_pass): every
-rank captures the same calls; a scatter finished before the next starts; no first scatter inside a capture.
+rank captures the same calls; a scatter finished before the next starts; no first scatter, and no first ring
+pass, inside a capture; no ring pass that forwards a block across a capture's edge.
 A capture's agreement runs when it is captured, not at replays. A call on another stream than the last
 one's first waits for that stream (the barriers of two streams must not overtake each other: a counted
 barrier waits for ">= its number"), except inside a capture, where the graph's own order holds. Replays are
@@ -168,9 +170,12 @@ class CopyEngineExchange:
         if what == "start_gather" and "gather" in self._open and self._open["gather"].captured != capturing:
             return ("the last gather is still open across a CUDA graph capture's edge (its events belong to one "
                     "side only): call its done() on the side that started it")
-        if capturing and what == "start_pass":
-            return ("a ring pass cannot be captured in a CUDA graph (its barriers are counted: a replay would find "
-                    "their numbers reached); run the ring eagerly")
+        if capturing and what == "start_pass" and self.ring is None:
+            return ("the first ring pass must run eagerly, before any capture: it makes the ring's shared area, "
+                    "which a capture cannot")
+        if what == "start_pass" and self.ring is not None and self.ring.forwards(t) and self.ring.captured != capturing:
+            return ("a ring lies wholly inside a CUDA graph capture or wholly outside it: this pass forwards the last "
+                    "pass's block across the capture's edge (start a new ring on this side)")
         if what == "start_pass" and "pass" in self._open:
             return "the last ring pass has not been waited for (wait() on it first)"
         if what == "start_scatter" and "scatter" in self._open:
@@ -257,7 +262,7 @@ class CopyEngineExchange:
             from tplab.gpu_collectives.copy_engine_ring import CopyEngineRing
 
             self.ring = CopyEngineRing(self)
-        self._open["pass"] = self.ring.start_pass(block, caller)
+        self._open["pass"] = self.ring.start_pass(block, caller, self._capturing)
         return self._open["pass"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":

@@ -32,8 +32,19 @@ you start the next pass but one -- or, after a ring's last pass, before you star
 
 Bytes: one block per rank per pass, each GPU sending to one peer and receiving from another at once, which
 is what a copy engine does best (about 340 GB/s to one peer on an H100). A ring's first pass also copies my
-block into the shared area (a local copy, at memory speed). Counted barriers: not for CUDA graph capture
-(a replay would find their numbers reached); the exchange refuses a captured pass.
+block into the shared area (a local copy, at memory speed).
+
+Inside a CUDA graph. A counted barrier waits for a number fixed when it is queued, so a replay would find it
+reached already: a captured pass queues a replayable barrier instead (StreamBarriers.queue_replayable: write
+1, wait for 1, reset), in slots 1 and 2 taken in turn. And the slots' rotation no longer protects a slot: a
+replay writes the slots the capture chose, whatever ran since, so a neighbour may still be pulling from the
+slot a replay's first copy overwrites (the last pull of the replay before, which no barrier follows). So once
+a ring has been captured (``graphed``), every new ring first meets its peers, on the ring's stream, before
+it copies its block in (in slot 0 inside a capture; eagerly a counted barrier): every peer's stream has then
+finished its earlier pulls. With slot 0 for the meeting and 1, 2 in turn for the passes, no two barriers in
+a row share a slot, across replays too (what makes a replayable barrier safe: copy_engine.StreamBarriers).
+The ring's first pass runs eagerly (it makes the area, which a capture cannot), and a ring lies wholly inside
+a capture or wholly outside it: the exchange refuses a pass that forwards a block across the edge.
 """
 
 from __future__ import annotations
@@ -63,6 +74,9 @@ class CopyEngineRing:
         self.held = 0            # the slot that holds the block my next pass sends on
         self._called = None      # the caller's stream at the last pass's call (an event)
         self._sent = None        # the last pass's block: (shape, dtype)
+        self.graphed = False     # a pass was captured: from then on every new ring meets first (docstring)
+        self.captured = False    # the last pass was captured
+        self._role = 0           # the replayable barrier slot of the last captured barrier
         self._views = {}         # tensors over my slots, by (slot, shape, dtype)
 
     def _pointer(self, rank: int, slot: int) -> int:
@@ -73,28 +87,44 @@ class CopyEngineRing:
         return (self._sent is not None and block.data_ptr() == self._pointer(self.rank, self.held)
                 and (tuple(block.shape), block.dtype) == self._sent)
 
-    def start_pass(self, block, caller) -> "CopyEnginePass":
+    def start_pass(self, block, caller, captured: bool = False) -> "CopyEnginePass":
         import torch
 
         block = block.contiguous()                                   # (on the caller's stream, before the waits)
         nbytes = block.numel() * block.element_size()
         called = torch.cuda.Event()
         called.record(caller)
+        self.graphed = self.graphed or captured
         if block.data_ptr() != self._pointer(self.rank, self.held):  # a new ring: my block into the next slot
             self.stream.wait_event(called)
+            if self.graphed and self.size > 1:                       # every peer is done pulling from my slots
+                self._barrier(captured, meeting=True)
             self.held = (self.held + 1) % SLOTS
             _copy(self._pointer(self.rank, self.held), block.data_ptr(), nbytes, self.stream, self.exchange.piece)
             block.record_stream(self.stream)                         # (the allocator: still being read)
         elif self._called is not None:
             self.stream.wait_event(self._called)                     # the compute on the slot I now overwrite
-        self._called = called
-        self.barriers.queue(_cupy_stream(self.stream))
+        self._called, self.captured = called, captured
+        self._barrier(captured)
         left, target = (self.rank - 1) % self.size, (self.held + 1) % SLOTS
         _copy(self._pointer(self.rank, target), self._pointer(left, self.held), nbytes, self.stream,
               self.exchange.piece)
         self.held, self._sent = target, (tuple(block.shape), block.dtype)
         return CopyEnginePass(self.exchange, caller, self.stream.record_event(),
                               self._view(target, tuple(block.shape), block.dtype))
+
+    def _barrier(self, captured: bool, meeting: bool = False) -> None:
+        """A barrier with every peer on the ring's stream: the flag_barrier kernel (the exchange's
+        ``barrier_kernels``: its counts live in GPU memory, so it replays as it is); inside a capture a
+        replayable one, slot 0 for a meeting and 1, 2 in turn for the passes; else a counted one."""
+        stream = _cupy_stream(self.stream)
+        if self.exchange.barrier_kernels:
+            self.barriers.queue(stream, True)
+        elif captured:
+            self._role = 0 if meeting else 2 if self._role == 1 else 1
+            self.barriers.queue_replayable(stream, self._role)
+        else:
+            self.barriers.queue(stream)
 
     def _view(self, slot: int, shape, dtype):
         """My slot as a tensor of ``shape`` and ``dtype`` (no copy), made once: a tensor over foreign memory

@@ -44,6 +44,7 @@ it on tensors that require grad raises instead of returning silently wrong gradi
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -77,24 +78,38 @@ def output_like(q) -> torch.Tensor:
     return torch.empty((b, s_local, n, d), dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
-def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict, final: bool = False) -> None:
+@functools.lru_cache(maxsize=256)
+def last_blocks(query_chunks: tuple, owners: tuple, p: int, layout: str, causal: bool) -> tuple:
+    """For each of my query chunks (their indices), the owner of the last block in ``owners`` (the order the
+    blocks are folded in) that holds keys it sees: after that block nothing more is merged into that chunk,
+    so its merge may write the result (fold_block's ``final``). Under a causal mask that can be an early
+    block: in the zig-zag layout, rank r's first chunk sees no block after rank 0's."""
+    def sees(query_chunk, owner):
+        return not causal or any(causal_relation(query_chunk, key_chunk) != "future"
+                                 for key_chunk in my_chunks(owner, p, layout))
+    return tuple([owner for owner in owners if sees(query_chunk, owner)][-1] for query_chunk in query_chunks)
+
+
+def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict, final=False) -> None:
     """Fold one rank's keys and values ``kv`` (a kv_block: (2, b, s/p, n_kv, d)), the sequence chunks
     ``key_chunks``, into the online softmax of each of my query chunks (``queries``: [(chunk index, (b, n, L,
     d)), ...]), skipping chunk pairs entirely in the future; counts the query-key pairs scored in ``stats``.
-    ``final``: no block follows (each query chunk's last merge then writes the result's dtype)."""
+    ``final``: no later block holds keys a query chunk sees -- one bool for every chunk, or one per chunk
+    (last_blocks) -- so that chunk's last merge writes the result's dtype, where the result goes."""
+    finals = final if isinstance(final, (list, tuple)) else [final] * len(queries)
     heads, length = queries[0][1].shape[1], queries[0][1].shape[2]
     keys, values = (repeat_kv(t, heads) for t in kv.transpose(2, 3).unbind(0))  # (b, n, s/p, d) views
     if len(key_chunks) == 1:   # (few tensor operations on the way: on a GPU the ring's pace is often the host's)
         chunks = [(key_chunks[0], keys, values)]
     else:
         chunks = list(zip(key_chunks, keys.split(length, dim=2), values.split(length, dim=2)))
-    for (query_chunk, q_chunk), acc in zip(queries, softmax):
+    for (query_chunk, q_chunk), acc, last in zip(queries, softmax, finals):
         visible = [(k_chunk, v_chunk, causal_relation(query_chunk, key_chunk) if causal else "past")
                    for key_chunk, k_chunk, v_chunk in chunks]
         visible = [chunk for chunk in visible if chunk[2] != "future"]  # future keys: nothing to compute
         for i, (k_chunk, v_chunk, relation) in enumerate(visible):
             acc.update(q_chunk, k_chunk, v_chunk, causal_diagonal=relation == "diagonal",
-                       final=final and i == len(visible) - 1)
+                       final=last and i == len(visible) - 1)
             stats["scores"] += length * length / (2 if relation == "diagonal" else 1)
 
 
@@ -129,14 +144,15 @@ class RingAttention:
             y = output_like(q)
             softmax = [OnlineSoftmax(q_chunk, out=y_chunk)
                        for (_, q_chunk), y_chunk in zip(queries, y.split(length, dim=2))]
-            for step in range(p):
-                owner = (rank - step) % p  # whose tokens' keys and values we hold in this step
+            owners = [(rank - step) % p for step in range(p)]  # whose tokens' keys and values we hold, step by step
+            last = last_blocks(tuple(mine), tuple(owners), p, self.layout, bool(causal))
+            for step, owner in enumerate(owners):
                 if 0 < step < p - 1:  # start moving the next block now, so it can travel while we compute
                     self.passing = self.passes.start_pass(kv)
                 started = time.perf_counter()
                 try:
                     fold_block(softmax, queries, kv, my_chunks(owner, p, self.layout), causal=causal, stats=stats,
-                               final=step == p - 1)
+                               final=[owner == owner_of_last for owner_of_last in last])
                 except BaseException:
                     self._pass_on(kv, step)   # (then this rank raises; its peers' ring ends as it would have)
                     raise

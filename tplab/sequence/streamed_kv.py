@@ -33,7 +33,7 @@ import torch
 from tplab.sequence.checks import check_attention_inputs
 from tplab.sequence.layout import my_chunks
 from tplab.sequence.online_softmax import OnlineSoftmax
-from tplab.sequence.ring import fold_block, kv_block, output_like, refuse_gradients
+from tplab.sequence.ring import fold_block, kv_block, last_blocks, output_like, refuse_gradients
 
 
 # communicator -> its message exchange (see default_exchange). The exchange refers to its communicator, so
@@ -81,9 +81,10 @@ class StreamedKV:
             y = output_like(q)
             softmax = [OnlineSoftmax(q_chunk, out=y_chunk)
                        for (_, q_chunk), y_chunk in zip(queries, y.split(length, dim=2))]
+            last = last_blocks(tuple(mine), tuple(self.gathered.order), self.size, self.layout, bool(causal))
             for owner in self.gathered.order:  # mine first, then r+1, r+2, ...
                 fold_block(softmax, queries, self.gathered.shard(owner), my_chunks(owner, self.size, self.layout),
-                           causal=causal, stats=stats, final=owner == self.gathered.order[-1])
+                           causal=causal, stats=stats, final=[owner == owner_of_last for owner_of_last in last])
         except BaseException:
             # a peer that failed too may never send its block: do not wait for it; the exchange keeps this
             # call's buffers (MPI may still write into them) and refuses or skips what the call left open
