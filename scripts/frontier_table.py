@@ -113,6 +113,9 @@ def layer_rows(out: Path, p: int, add) -> None:
         def top(mask):
             return (speedup[mask].idxmax(), float(speedup[mask].max())) if mask.any() else None
         ring = speedup.index.str.startswith("ring ")
+        for metric, mask in (("p4_bf16_speedup", ~vendor), ("p4_ring_bf16_speedup", ring & ~vendor)):
+            if top(mask):   # (which path: eager, or replayed from CUDA graphs -- its name ends in _graph)
+                print(f"{metric}: {top(mask)[0]}")
         add("p4_bf16_speedup", "x", top(~vendor), top(vendor))
         add("p4_ring_bf16_speedup", "x", top(ring & ~vendor), top(~ring))
 

@@ -38,12 +38,13 @@ if [ "${LAYERS:-0}" = 1 ]; then   # the reference layer in bf16: async TP's laye
     --variants compute,async_no_transfers_whole_attention,async_tp_whole_attention,nccl_comm,plain_nccl,exchange_alone,compute_graph,async_tp_graph_whole_attention \
     || echo "FAILED: async TP"
   # (SEQUENCE_RUNS runs, default 3, appended to one CSV: the table takes each path's median over the runs --
-  # ring attention's steps wait on the host's launches there, and one run's time varies with the host's)
+  # ring attention's steps wait on the host's launches there, and one run's time varies with the host's;
+  # --graphs: each path also replayed from CUDA graphs, which take the host's launches out)
   for _ in $(seq "${SEQUENCE_RUNS:-3}"); do
     timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_sequence_parallel.py "$OUT" --modes strong \
       --dtypes bfloat16 --schemes allgather_kv,ring,streamed_kv \
       --paths direct_peer,direct_copy_engine,direct_ring,direct_nccl,fused_kv,compute_only,compute_floor \
-      --side-stream --no-components --iters 20 --warmup 5 || echo "FAILED: sequence parallel"
+      --side-stream --graphs --no-components --iters 20 --warmup 5 || echo "FAILED: sequence parallel"
   done
 fi
 "$PYTHON" scripts/frontier_table.py "$OUT"

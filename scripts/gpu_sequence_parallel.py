@@ -42,8 +42,9 @@ it arrives (tplab.sequence.allgather_kv): the rows' path is then ``<path>_g<G>``
 ``speedup``; the SP output is checked against it on every rank (``max_rel_error``). ``--graphs`` also times
 the paths of ``--graph-paths`` (and the one-GPU layer) as CUDA graph replays: two layer calls captured in one
 graph, as a stack of layers replays them, timed per call, so that the host's time to queue a call drops out
-(the rows' path gets the suffix ``_graph``; the copy engines' graphs use exchanges of their own, made for the
-row). ``--components`` adds
+(the rows' path gets the suffix ``_graph``, their ``speedup`` is against the one-GPU layer's graph, row
+``one_gpu_graph``; the copy engines' graphs use exchanges of their own, made for the row; a path a capture
+refuses is reported and skipped). ``--components`` adds
 rows timing the pieces of one all-gather (PCIe copies, host MPI, NVLink) for the cost model
 (tplab.cost.staged_vs_direct). Output: OUT_DIR/sequence_parallel_gpu_<card>.csv with a ``machine`` column.
 
@@ -370,8 +371,9 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     rows = [{**common, "kind": "unsplit", "p": 1, "tokens_per_rank": args.batch * s, "path": "one_gpu",
              "scheme": "none", "time_s": unsplit, "speedup": 1.0, "efficiency": 1.0,
              "tokens_per_s": args.batch * s / unsplit}]
+    unsplit_graph = None
     if args.graphs and args.device == "cuda":
-        graphed = unsplit_graph_time(whole, x_full, host, args)
+        graphed = unsplit_graph = unsplit_graph_time(whole, x_full, host, args)
         rows.append({**rows[0], "path": "one_gpu_graph", "time_s": graphed, "speedup": unsplit / graphed,
                      "efficiency": unsplit / graphed, "tokens_per_s": args.batch * s / graphed})
         log(f"  {mode:6} {dtype_name:8} one GPU: {unsplit * 1e3:.2f} ms eagerly, {graphed * 1e3:.2f} ms replayed")
@@ -429,7 +431,9 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
             log(f"  {mode:6} {dtype_name:8} {scheme:12} {name:16} {time_s * 1e3:9.2f} ms  "
                 f"speedup {unsplit / time_s:5.2f}x  error {rows[-1]['max_rel_error']:.1e}")
             if args.graphs and args.device == "cuda" and base_name in args.graph_paths and p > 1:
-                rows.append(graph_row(rows[-1], host, block, comm, scheme, base_name, options, x, expected, args))
+                graphed_row = graph_row(rows[-1], unsplit_graph, host, block, comm, scheme, base_name, options, x,
+                                        expected, args)
+                rows += [graphed_row] if graphed_row else []
             if layer.fused_kv is not None:
                 layer.fused_kv.close()
     del x_full, expected
@@ -438,8 +442,9 @@ def layer_rows(host, paths, block, whole, dtype_name, mode, args, base):
     return rows
 
 
-def graph_row(eager, host, block, comm, scheme, base_name, options, x, expected, args) -> dict:
-    """The row ``eager`` again, its layer replayed from a CUDA graph (graph_replay): time per call and error."""
+def graph_row(eager, unsplit, host, block, comm, scheme, base_name, options, x, expected, args):
+    """The row ``eager`` again, its layer replayed from a CUDA graph (graph_replay): time per call and error,
+    its speedup against the one-GPU layer's graph (``unsplit``: like for like); None if a rank's capture failed."""
     p = host.size
     options, exchanges = graph_options(base_name, options, scheme, PATH_EXCHANGES.get("exchange"))
     if options.get("fused_kv") is not None:   # (its own, as the exchanges: the eager row's is closed after it)
@@ -448,20 +453,30 @@ def graph_row(eager, host, block, comm, scheme, base_name, options, x, expected,
         options["fused_kv"] = FusedKV(block.attention, MPI.COMM_WORLD, batch=args.batch, tokens_per_rank=x.shape[1])
     layer = SequenceParallelBlock(block, comm, scheme=scheme, layout=args.layout, causal=args.causal, check=False,
                                   **options)
-    replay, y, _ = graph_replay(layer, x, args)
-    with torch.no_grad():
-        time_s, fastest = measure(replay, host, args)
-        replay()
-        error = float((y - shard(expected, host.rank, p, args.layout, dim=1)).abs().max().float()
-                      / expected.abs().max().float())
-    time_s, fastest = time_s / GRAPH_CALLS, fastest / GRAPH_CALLS
-    unsplit = eager["unsplit_time_s"]
-    row = {**eager, "path": f"{eager['path']}_graph", "transport": f"{eager['transport']}; {GRAPH_CALLS} layer calls "
-           "captured in one CUDA graph, replayed (time per call)", "time_s": time_s, "fastest_rank_s": fastest,
-           "speedup": unsplit / time_s, "efficiency": unsplit / time_s / p, "tokens_per_s": eager["tokens_per_s"]
-           * eager["time_s"] / time_s, "max_rel_error": max(host.allgather_object(error))}
-    log(f"  {row['mode']:6} {row['dtype']:8} {scheme:12} {row['path']:16} {time_s * 1e3:9.2f} ms  "
-        f"speedup {unsplit / time_s:5.2f}x  error {row['max_rel_error']:.1e}")
+    try:   # (a path whose calls a capture refuses, on one rank or all: reported, skipped on every rank)
+        replay, y, _ = graph_replay(layer, x, args)
+        problem = ""
+    except Exception as e:  # noqa: BLE001 - reported
+        replay = y = None
+        problem = f"{type(e).__name__}: {e}"
+    problems = [q for q in host.allgather_object(problem) if q]
+    row = None
+    if problems:
+        log(f"  {eager['path']}_graph: not captured: {problems[0].splitlines()[0][:200]}")
+    else:
+        with torch.no_grad():
+            time_s, fastest = measure(replay, host, args)
+            replay()
+            error = float((y - shard(expected, host.rank, p, args.layout, dim=1)).abs().max().float()
+                          / expected.abs().max().float())
+        time_s, fastest = time_s / GRAPH_CALLS, fastest / GRAPH_CALLS
+        row = {**eager, "path": f"{eager['path']}_graph", "transport": f"{eager['transport']}; {GRAPH_CALLS} layer "
+               "calls captured in one CUDA graph, replayed (time per call)", "time_s": time_s, "fastest_rank_s": fastest,
+               "unsplit_time_s": unsplit, "speedup": unsplit / time_s, "efficiency": unsplit / time_s / p,
+               "tokens_per_s": eager["tokens_per_s"] * eager["time_s"] / time_s,
+               "max_rel_error": max(host.allgather_object(error))}
+        log(f"  {row['mode']:6} {row['dtype']:8} {scheme:12} {row['path']:16} {time_s * 1e3:9.2f} ms  "
+            f"speedup {unsplit / time_s:5.2f}x (against the one-GPU graph)  error {row['max_rel_error']:.1e}")
     if layer.fused_kv is not None:
         layer.fused_kv.close()
     del layer, replay, y
@@ -548,7 +563,7 @@ def main():
     parser.add_argument("--graphs", action="store_true",
                         help="also time each path of --graph-paths, and the one-GPU layer, as CUDA graph replays "
                              "(two layer calls a graph; path suffix _graph)")
-    parser.add_argument("--graph-paths", default="compute_only,direct_copy_engine,fused_kv,compute_floor",
+    parser.add_argument("--graph-paths", default="compute_only,direct_copy_engine,fused_kv,direct_nccl,direct_peer",
                         help="the paths --graphs replays from graphs")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)
