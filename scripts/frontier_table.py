@@ -108,7 +108,7 @@ def layer_rows(out: Path, p: int, add) -> None:
         rows = rows[(rows.kind == "layer") & (rows["mode"] == "strong") & (rows.dtype == "bfloat16")]
         rows = rows[(rows.p == p) & ~rows.path.str.startswith("compute_")]   # (compute_only, compute_floor: not paths)
         speedup = rows.assign(name=rows.scheme + " " + rows.path).groupby("name").speedup.median().dropna()
-        vendor = speedup.index.str.contains(" direct_nccl| direct_vendor| staged_mpi")   # a library's all-gather
+        vendor = speedup.index.str.contains(" direct_nccl| direct_vendor| torch_nccl| staged_mpi")   # a library's
 
         def top(mask):
             return (speedup[mask].idxmax(), float(speedup[mask].max())) if mask.any() else None

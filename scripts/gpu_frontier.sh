@@ -43,7 +43,7 @@ if [ "${LAYERS:-0}" = 1 ]; then   # the reference layer in bf16: async TP's laye
   for _ in $(seq "${SEQUENCE_RUNS:-3}"); do
     timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" scripts/gpu_sequence_parallel.py "$OUT" --modes strong \
       --dtypes bfloat16 --schemes allgather_kv,ring,streamed_kv \
-      --paths direct_peer,direct_copy_engine,direct_ring,direct_nccl,fused_kv,compute_only,compute_floor \
+      --paths direct_peer,direct_copy_engine,direct_ring,direct_nccl,torch_nccl,fused_kv,compute_only,compute_floor \
       --side-stream --graphs --no-components --iters 20 --warmup 5 || echo "FAILED: sequence parallel"
   done
 fi
