@@ -173,7 +173,7 @@ class CopyEngineExchange:
         if capturing and what == "start_pass" and self.ring is None:
             return ("the first ring pass must run eagerly, before any capture: it makes the ring's shared area, "
                     "which a capture cannot")
-        if what == "start_pass" and self.ring is not None and self.ring.forwards(t) and self.ring.captured != capturing:
+        if what == "start_pass" and self.ring is not None and self.ring.captured != capturing and self.ring.forwards(t):
             return ("a ring lies wholly inside a CUDA graph capture or wholly outside it: this pass forwards the last "
                     "pass's block across the capture's edge (start a new ring on this side)")
         if what == "start_pass" and "pass" in self._open:

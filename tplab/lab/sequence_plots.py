@@ -5,6 +5,8 @@
                               on cuDNN's (sequence_parallel_gpu_*_cudnn-lse.csv)
     ring_host_before_after(rows, dtype)    05: ring attention before and after its host path was trimmed
                               (sequence_parallel_gpu_4x-h100_lean-ring.csv)
+    eager_and_replayed(rows, dtype)        05: the layer's paths eagerly and replayed from CUDA graphs
+                              (sequence_parallel_gpu_4x-h200_graphs.csv)
     overlap_attempts(rows, dtype)   05: the all-gather scheme's paths and the ways tried to hide its transfers,
                               medians and ranges over rounds (sequence_parallel_gpu_4x-h100_overlap-attempts.csv)
 """
@@ -62,6 +64,22 @@ def ring_host_before_after(rows, dtype="bfloat16", before="f25a1e8, before this 
     both = both[both.scheme.isin(["ring", "streamed_kv"]) | (both.path == "compute_only") | (both.kind == "unsplit")]
     return _before_after(both, both.code != before, dtype,
                          "ring attention, its host path trimmed\n(pale: before, dark: after; on the same two machines)")
+
+
+def eager_and_replayed(rows, dtype="bfloat16", machine_start=None):
+    """The runs of sequence_parallel_gpu_4x-h200_graphs.csv: each (scheme, path) eagerly (pale) and replayed from
+    CUDA graphs (dark; the rows whose path ends in ``_graph``), medians and ranges over the runs; ring attention,
+    streamed K/V and the all-gather's fastest paths, the ring with nothing moved hatched; the one-GPU layer / p as a
+    grey line. ``machine_start``: one start's runs only."""
+    if machine_start is not None:
+        rows = rows[rows.machine_start == machine_start]
+    path = rows.path.str.removesuffix("_graph")
+    shown = ((rows.scheme == "ring") & path.isin(["direct_copy_engine", "compute_only"])
+             | (rows.scheme == "streamed_kv") & (path == "direct_copy_engine")
+             | (rows.scheme == "allgather_kv") & path.isin(["fused_kv", "torch_nccl", "direct_copy_engine"])
+             | (rows.kind == "unsplit"))
+    return _before_after(rows[shown].assign(path=path[shown]), rows.path[shown].str.endswith("_graph"), dtype,
+                         "the same layer, its calls replayed from a CUDA graph\n(pale: eager calls, dark: replayed)")
 
 
 def _before_after(rows, after, dtype, title):
