@@ -94,11 +94,29 @@ def test_a_first_pass_or_a_pass_across_a_captures_edge_is_refused_on_every_rank(
     agree(float(got[0]) == (RANK - 1) % P, f"after the refused capture: {float(got[0])}")
     torch.cuda.synchronize()
     # a pass that forwards the block the last one returned (it skips the host agreement) across the edge
-    with pytest.raises(CollectiveArgumentError, match="wholly inside a CUDA graph capture"):
+    with pytest.raises(CollectiveArgumentError, match="wholly inside one CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             exchange.start_pass(got)
     got = exchange.start_pass(got).wait()
     agree(float(got[0]) == (RANK - 2) % P, f"after the refused forwarded capture: {float(got[0])}")
+    torch.cuda.synchronize()
+    # from one capture into another: refused alike (captures told apart by the driver's capture id)
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        captured = exchange.start_pass(block).wait()
+    with pytest.raises(CollectiveArgumentError, match="wholly inside one CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            exchange.start_pass(captured)
+    # a capture that fails with its pass still open: the next pass drops it (it never ran), on every rank
+    with pytest.raises(RuntimeError):   # (the layer's error, or the capture's end finding the ring's stream unjoined)
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            exchange.start_pass(block)
+            raise RuntimeError("the layer failed mid-capture")
+    torch.cuda.synchronize()
+    first.replay()
+    agree(float(captured[0]) == (RANK - 1) % P, f"the first graph replayed: {float(captured[0])}")
+    got = exchange.start_pass(block).wait()
+    agree(float(got[0]) == (RANK - 1) % P, f"after the failed capture: {float(got[0])}")
     torch.cuda.synchronize()
     exchange.close()
 

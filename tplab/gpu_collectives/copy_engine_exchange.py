@@ -78,6 +78,7 @@ from __future__ import annotations
 from tplab.comm.shard_agreement import agree_on_shards, digests_agree, out_problem
 from tplab.gpu_collectives.copy_engine import StreamBarriers
 from tplab.gpu_collectives.copy_engine_calls import CopyEngineGather, CopyEngineScatter, _copy, _cupy_stream
+from tplab.gpu_collectives.copy_engine_ring import capture_of
 from tplab.gpu_collectives.peer_memory import PeerMemory
 
 ALIGN = 256  # bytes: every slot starts on a boundary that any element type and the copy engines like
@@ -124,6 +125,7 @@ class CopyEngineExchange:
         self.graph_meetings = graph_meetings     # False: graphs of even call counts only (module docstring)
         self._capturing = False                  # the last call was captured
         self.broken = ""                         # set by abandon() when a call was left open
+        self._pass_capture = None                # the capture a ring pass being made is in (start_pass)
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
 
     def _peers(self) -> list[int]:
@@ -173,9 +175,10 @@ class CopyEngineExchange:
         if capturing and what == "start_pass" and self.ring is None:
             return ("the first ring pass must run eagerly, before any capture: it makes the ring's shared area, "
                     "which a capture cannot")
-        if what == "start_pass" and self.ring is not None and self.ring.captured != capturing and self.ring.forwards(t):
-            return ("a ring lies wholly inside a CUDA graph capture or wholly outside it: this pass forwards the last "
-                    "pass's block across the capture's edge (start a new ring on this side)")
+        if what == "start_pass" and self.ring is not None and self.ring.capture != self._pass_capture \
+                and self.ring.forwards(t):
+            return ("a ring lies wholly inside one CUDA graph capture or wholly outside any: this pass forwards the "
+                    "last pass's block across a capture's edge (start a new ring on this side)")
         if what == "start_pass" and "pass" in self._open:
             return "the last ring pass has not been waited for (wait() on it first)"
         if what == "start_scatter" and "scatter" in self._open:
@@ -256,13 +259,20 @@ class CopyEngineExchange:
         programs diverge mid-ring (one forwards the block, another a copy of it) now wait for each other instead
         of raising. A rank whose compute fails mid-ring passes on the blocks it still owes first (ring.py's
         RingAttention._pass_on), so its peers finish."""
-        forwards = self.ring is not None and "pass" not in self._open and self.ring.forwards(block)
+        import torch
+
+        self._pass_capture = capture_of(torch.cuda.current_stream(self.device).cuda_stream)   # None eagerly
+        stale = self._open.get("pass")
+        if stale is not None and stale.capture is not None and stale.capture != self._pass_capture:
+            del self._open["pass"]     # (left open by a capture that failed: it never ran; every rank drops it)
+        forwards = (self.ring is not None and "pass" not in self._open and self.ring.capture == self._pass_capture
+                    and self.ring.forwards(block))
         caller = self._check(block, "start_pass", agreed=forwards)
         if self.ring is None:          # (collective: every rank has just agreed to this call)
             from tplab.gpu_collectives.copy_engine_ring import CopyEngineRing
 
             self.ring = CopyEngineRing(self)
-        self._open["pass"] = self.ring.start_pass(block, caller, self._capturing)
+        self._open["pass"] = self.ring.start_pass(block, caller, self._pass_capture)
         return self._open["pass"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":

@@ -44,7 +44,11 @@ it copies its block in (in slot 0 inside a capture; eagerly a counted barrier): 
 finished its earlier pulls. With slot 0 for the meeting and 1, 2 in turn for the passes, no two barriers in
 a row share a slot, across replays too (what makes a replayable barrier safe: copy_engine.StreamBarriers).
 The ring's first pass runs eagerly (it makes the area, which a capture cannot), and a ring lies wholly inside
-a capture or wholly outside it: the exchange refuses a pass that forwards a block across the edge.
+one capture or wholly outside any: the exchange refuses a pass that forwards a block across a capture's edge
+(captures told apart by the driver's capture id). A pass left open by a capture that failed (it never ran) is
+dropped by the next pass. Replay a graph only with no pass open, on the stream of the eager calls around it,
+and once every rank has captured it: a capture that failed on one rank leaves its peers' graphs waiting at
+their first meeting (agree on it first, as scripts/gpu_sequence_parallel.py does).
 """
 
 from __future__ import annotations
@@ -54,6 +58,23 @@ from tplab.gpu_collectives.copy_engine_calls import _copy, _cupy_stream
 from tplab.gpu_collectives.peer_memory import PeerMemory
 
 SLOTS = 3  # blocks in the ring's area (the module docstring says why three)
+UNKNOWN_CAPTURE = -1   # a capture whose id the driver bindings (cuda-python) could not tell
+
+
+def capture_of(stream: int):
+    """The id of the CUDA graph capture that ``stream`` (a pointer) is in, None if it is not capturing:
+    what tells two captures apart (the driver's cuStreamGetCaptureInfo; UNKNOWN_CAPTURE without cuda-python)."""
+    import torch
+
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    try:
+        from cuda.bindings import driver
+
+        found = driver.cuStreamGetCaptureInfo(driver.CUstream(stream))
+        return int(found[2]) if int(found[0]) == 0 else UNKNOWN_CAPTURE   # (error, status, id, ...)
+    except Exception:  # noqa: BLE001 - bindings missing or of another shape: captures not told apart
+        return UNKNOWN_CAPTURE
 
 
 class CopyEngineRing:
@@ -75,7 +96,7 @@ class CopyEngineRing:
         self._called = None      # the caller's stream at the last pass's call (an event)
         self._sent = None        # the last pass's block: (shape, dtype)
         self.graphed = False     # a pass was captured: from then on every new ring meets first (docstring)
-        self.captured = False    # the last pass was captured
+        self.capture = None      # the capture the last pass was in (capture_of), None if eager
         self._role = 0           # the replayable barrier slot of the last captured barrier
         self._views = {}         # tensors over my slots, by (slot, shape, dtype)
 
@@ -87,15 +108,18 @@ class CopyEngineRing:
         return (self._sent is not None and block.data_ptr() == self._pointer(self.rank, self.held)
                 and (tuple(block.shape), block.dtype) == self._sent)
 
-    def start_pass(self, block, caller, captured: bool = False) -> "CopyEnginePass":
+    def start_pass(self, block, caller, capture=None) -> "CopyEnginePass":
+        """``capture``: the capture this pass is in (capture_of), None eagerly."""
         import torch
 
+        captured = capture is not None
+        forwards = self.forwards(block)                              # (before the copy below: the exchange's test)
         block = block.contiguous()                                   # (on the caller's stream, before the waits)
         nbytes = block.numel() * block.element_size()
         called = torch.cuda.Event()
         called.record(caller)
         self.graphed = self.graphed or captured
-        if block.data_ptr() != self._pointer(self.rank, self.held):  # a new ring: my block into the next slot
+        if not forwards:                                             # a new ring: my block into the next slot
             self.stream.wait_event(called)
             if self.graphed and self.size > 1:                       # every peer is done pulling from my slots
                 self._barrier(captured, meeting=True)
@@ -104,14 +128,14 @@ class CopyEngineRing:
             block.record_stream(self.stream)                         # (the allocator: still being read)
         elif self._called is not None:
             self.stream.wait_event(self._called)                     # the compute on the slot I now overwrite
-        self._called, self.captured = called, captured
+        self._called, self.capture = called, capture
         self._barrier(captured)
         left, target = (self.rank - 1) % self.size, (self.held + 1) % SLOTS
         _copy(self._pointer(self.rank, target), self._pointer(left, self.held), nbytes, self.stream,
               self.exchange.piece)
         self.held, self._sent = target, (tuple(block.shape), block.dtype)
         return CopyEnginePass(self.exchange, caller, self.stream.record_event(),
-                              self._view(target, tuple(block.shape), block.dtype))
+                              self._view(target, tuple(block.shape), block.dtype), capture)
 
     def _barrier(self, captured: bool, meeting: bool = False) -> None:
         """A barrier with every peer on the ring's stream: the flag_barrier kernel (the exchange's
@@ -145,8 +169,9 @@ class CopyEngineRing:
 
 
 class CopyEnginePass:
-    def __init__(self, exchange, caller, landed, block):
+    def __init__(self, exchange, caller, landed, block, capture=None):
         self._exchange, self._caller, self._landed, self._block = exchange, caller, landed, block
+        self.capture = capture   # (its events exist inside that capture only)
 
     def wait(self):
         """The block from the left, once the caller's stream has waited for its pull (the host does not)."""
