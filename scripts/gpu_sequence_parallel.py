@@ -21,7 +21,7 @@ MLP; the tokens split over the GPUs, the weights replicated) at its configuratio
                   (with head groups: next to the attention) and the streamed K/V scheme; for ring attention
                   each step's block pulled from the left neighbour (CopyEngineExchange.start_pass)
     direct_vendor only when tplab.comm.nccl is not usable here: torch.distributed's NCCL all_gather_into_tensor
-    torch_nccl    the same, by name only (--paths torch_nccl): NCCL's all-gather where CUDA graphs can capture it
+    torch_nccl    the same, by name only (--paths torch_nccl): NCCL's all-gather as a torch program calls it
     compute_only  NullExchange: nothing crosses a link, but every rank still writes p copies of its own K and V
                   block into the gathered tensor (what a real gather writes), and the streamed scheme and the
                   ring merge p blocks (each its own: the ring's compute with nothing moving)
@@ -264,8 +264,7 @@ def paths_here(host, nccl, nccl_problem, schemes, device, peers=None, exchange=N
                        {"allgather_kv", "streamed_kv", "ring"}, False)]
     if torch_nccl and device == "cuda":   # (asked for by name: it makes torch.distributed's own communicator)
         paths += [("torch_nccl", "torch.distributed's NCCL all_gather_into_tensor (the vendor's all-gather through "
-                   "torch, which CUDA graphs capture; tplab.comm.nccl's general path allocates with CuPy per call, "
-                   "which a capture refuses)", host, {"gather": torch_distributed_allgather(host, device)},
+                   "torch: NCCL as a torch program calls it)", host, {"gather": torch_distributed_allgather(host, device)},
                    {"allgather_kv"}, False)]
     if nccl is not None and fused_kv_works():
         paths += [("fused_kv", "FusedKV: Q/K/V in one Triton GEMM whose epilogue writes each K/V tile into every "
@@ -569,7 +568,7 @@ def main():
     parser.add_argument("--graphs", action="store_true",
                         help="also time each path of --graph-paths, and the one-GPU layer, as CUDA graph replays "
                              "(two layer calls a graph; path suffix _graph)")
-    parser.add_argument("--graph-paths", default="compute_only,direct_copy_engine,fused_kv,direct_peer,torch_nccl",
+    parser.add_argument("--graph-paths", default="compute_only,direct_copy_engine,fused_kv,direct_peer,direct_nccl,torch_nccl",
                         help="the paths --graphs replays from graphs")
     parser.add_argument("--hidden", type=int, default=5120)
     parser.add_argument("--heads", type=int, default=40)

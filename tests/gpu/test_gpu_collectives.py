@@ -157,3 +157,31 @@ def test_host_arrays_on_host_mpi_and_gpu_arrays_refused_there():
     host = np.arange(5, dtype=np.float32)
     out = tplab.allreduce(host, TRANSPORTS["staged-pipelined"], algorithm="ring")  # staged passes numpy through
     agree(isinstance(out, np.ndarray) and np.array_equal(out, host * P))
+
+
+def test_torch_tensors_through_nccl_replay_from_a_cuda_graph():
+    """tplab's collectives over tplab.comm.nccl captured in a CUDA graph (torch's), replayed with new inputs:
+    bitwise the results of eager calls on those inputs. (What CuPy allocates inside the capture comes from
+    torch's graph pool: tplab.toolkit.arrays.gpu_scope.) Last in this file: the ring's point-to-point
+    messages go last of all."""
+    torch = cuda_torch()
+    device = torch.device("cuda", cupy.cuda.runtime.getDevice())
+    calls = {"allreduce builtin": lambda x: tplab.allreduce(x, NCCL, algorithm="builtin"),
+             "allgather builtin": lambda x: tplab.allgather(x, NCCL, algorithm="builtin"),
+             "reduce_scatter builtin": lambda x: tplab.reduce_scatter(x, NCCL, algorithm="builtin"),
+             "allreduce ring": lambda x: tplab.allreduce(x, NCCL, algorithm="ring")}
+    for name, call in calls.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            static = torch.zeros(4 * P + 3, device=device, dtype=dtype)
+            call(static)                                    # (eagerly first: plans, NCCL's own set-up)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call(static)
+            for seed in range(3):
+                g = torch.Generator(device="cpu").manual_seed(100 * COMM.rank + seed)
+                static.copy_(torch.randn(static.numel(), generator=g).to(dtype))
+                graph.replay()
+                want = call(static)
+                torch.cuda.synchronize()
+                agree(torch.equal(out, want), f"{name} {dtype}, replay {seed}: differs from the eager call")

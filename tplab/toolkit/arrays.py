@@ -12,7 +12,9 @@ numpy array (``.numpy()``), a CUDA tensor a CuPy array (DLPack). bfloat16 has no
 its bits travel as int16 and ``tplab.toolkit.bfloat16`` does the arithmetic (float32 inside, rounded back).
 
 Streams: GPU work runs on the caller's current stream (torch's current stream for torch tensors), so a
-result is ordered before whatever the caller enqueues next, as with NCCL called on that stream.
+result is ordered before whatever the caller enqueues next, as with NCCL called on that stream. Inside a
+CUDA graph capture of torch's, what CuPy allocates for a torch input comes from torch's allocator (the
+graph's own pool), so the calls replay.
 
 CuPy and torch are imported only when an array of theirs shows up: the CPU path stays as it was.
 """
@@ -84,9 +86,14 @@ def _from_torch(x):
     import cupy
 
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:  # no bf16 in CuPy: the same 16 bits as int16, viewed back at the end
-        return cupy.from_dlpack(t.view(torch.int16)), _torch_bfloat16, True
-    return cupy.from_dlpack(t), torch.from_dlpack, False
+    bf16 = t.dtype == torch.bfloat16   # no bf16 in CuPy: the same 16 bits as int16, viewed back at the end
+    view = t.view(torch.int16) if bf16 else t
+    if torch.cuda.is_current_stream_capturing():   # (DLPack's handshake would make CuPy's stream -- the legacy
+        with torch_stream(t.device):                #  one -- wait on the capturing stream, which a capture refuses)
+            arr = cupy.from_dlpack(view)
+    else:
+        arr = cupy.from_dlpack(view)
+    return (arr, _torch_bfloat16, True) if bf16 else (arr, torch.from_dlpack, False)
 
 
 def _torch_bfloat16(a):
@@ -111,7 +118,38 @@ def gpu_scope(x, arr):
         stream = torch_stream(x.device)
         if stream.ptr != cupy.cuda.get_current_stream().ptr:
             scope.enter_context(stream)
+        if _capturing():   # what CuPy allocates comes from torch's graph pool (see _torch_allocator)
+            scope.enter_context(cupy.cuda.using_allocator(_torch_allocator()))
     return scope
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+_allocator = None
+
+
+def _torch_allocator():
+    """CuPy's allocations through torch's caching allocator, on torch's current stream: inside a CUDA graph
+    capture they come from the graph's private pool, which keeps them for the graph's replays. (CuPy's own
+    pool would call cudaMalloc, which a capture refuses, or hand a block that the graph still writes at every
+    replay to the next caller once the array is freed.)"""
+    global _allocator
+    if _allocator is None:
+        import cupy
+        import torch
+
+        def malloc(size: int, device: int) -> int:
+            return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+
+        def free(pointer: int, device: int) -> None:
+            torch.cuda.caching_allocator_delete(pointer)
+
+        _allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free).malloc
+    return _allocator
 
 
 class _RawStream:
