@@ -78,7 +78,7 @@ from __future__ import annotations
 from tplab.comm.shard_agreement import agree_on_shards, digests_agree, out_problem
 from tplab.gpu_collectives.copy_engine import StreamBarriers
 from tplab.gpu_collectives.copy_engine_calls import CopyEngineGather, CopyEngineScatter, _copy, _cupy_stream
-from tplab.gpu_collectives.copy_engine_ring import capture_of
+from tplab.gpu_collectives.copy_engine_ring import CopyEngineRing, capture_of
 from tplab.gpu_collectives.peer_memory import PeerMemory
 
 ALIGN = 256  # bytes: every slot starts on a boundary that any element type and the copy engines like
@@ -126,6 +126,7 @@ class CopyEngineExchange:
         self._capturing = False                  # the last call was captured
         self.broken = ""                         # set by abandon() when a call was left open
         self._pass_capture = None                # the capture a ring pass being made is in (start_pass)
+        self._pass_forwards = False              # it forwards the block the last pass returned (start_pass)
         self._views = {}                         # tensors over the scatter slots, by (rank, half, shape, dtype)
 
     def _peers(self) -> list[int]:
@@ -175,8 +176,7 @@ class CopyEngineExchange:
         if capturing and what == "start_pass" and self.ring is None:
             return ("the first ring pass must run eagerly, before any capture: it makes the ring's shared area, "
                     "which a capture cannot")
-        if what == "start_pass" and self.ring is not None and self.ring.capture != self._pass_capture \
-                and self.ring.forwards(t):
+        if what == "start_pass" and self._pass_forwards and self.ring.capture != self._pass_capture:
             return ("a ring lies wholly inside one CUDA graph capture or wholly outside any: this pass forwards the "
                     "last pass's block across a capture's edge (start a new ring on this side)")
         if what == "start_pass" and "pass" in self._open:
@@ -265,14 +265,12 @@ class CopyEngineExchange:
         stale = self._open.get("pass")
         if stale is not None and stale.capture is not None and stale.capture != self._pass_capture:
             del self._open["pass"]     # (left open by a capture that failed: it never ran; every rank drops it)
-        forwards = (self.ring is not None and "pass" not in self._open and self.ring.capture == self._pass_capture
-                    and self.ring.forwards(block))
-        caller = self._check(block, "start_pass", agreed=forwards)
+        self._pass_forwards = self.ring is not None and self.ring.forwards(block)   # (one test, for all below)
+        agreed = self._pass_forwards and "pass" not in self._open and self.ring.capture == self._pass_capture
+        caller = self._check(block, "start_pass", agreed=agreed)
         if self.ring is None:          # (collective: every rank has just agreed to this call)
-            from tplab.gpu_collectives.copy_engine_ring import CopyEngineRing
-
             self.ring = CopyEngineRing(self)
-        self._open["pass"] = self.ring.start_pass(block, caller, self._pass_capture)
+        self._open["pass"] = self.ring.start_pass(block, caller, self._pass_forwards, self._pass_capture)
         return self._open["pass"]
 
     def start_scatter(self, like) -> "CopyEngineScatter":

@@ -108,12 +108,12 @@ class CopyEngineRing:
         return (self._sent is not None and block.data_ptr() == self._pointer(self.rank, self.held)
                 and (tuple(block.shape), block.dtype) == self._sent)
 
-    def start_pass(self, block, caller, capture=None) -> "CopyEnginePass":
-        """``capture``: the capture this pass is in (capture_of), None eagerly."""
+    def start_pass(self, block, caller, forwards: bool, capture=None) -> "CopyEnginePass":
+        """``forwards``: ``block`` is the one the last pass returned (``forwards()``, as the exchange found);
+        ``capture``: the capture this pass is in (capture_of), None eagerly."""
         import torch
 
         captured = capture is not None
-        forwards = self.forwards(block)                              # (before the copy below: the exchange's test)
         block = block.contiguous()                                   # (on the caller's stream, before the waits)
         nbytes = block.numel() * block.element_size()
         called = torch.cuda.Event()

@@ -90,13 +90,13 @@ def last_blocks(query_chunks: tuple, owners: tuple, p: int, layout: str, causal:
     return tuple([owner for owner in owners if sees(query_chunk, owner)][-1] for query_chunk in query_chunks)
 
 
-def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict, final=False) -> None:
+def fold_block(softmax, queries, kv, key_chunks, *, causal: bool, stats: dict, final=()) -> None:
     """Fold one rank's keys and values ``kv`` (a kv_block: (2, b, s/p, n_kv, d)), the sequence chunks
     ``key_chunks``, into the online softmax of each of my query chunks (``queries``: [(chunk index, (b, n, L,
     d)), ...]), skipping chunk pairs entirely in the future; counts the query-key pairs scored in ``stats``.
-    ``final``: no later block holds keys a query chunk sees -- one bool for every chunk, or one per chunk
-    (last_blocks) -- so that chunk's last merge writes the result's dtype, where the result goes."""
-    finals = final if isinstance(final, (list, tuple)) else [final] * len(queries)
+    ``final``: one bool per query chunk, true where no later block holds keys that chunk sees (last_blocks),
+    so that its last merge writes the result's dtype, where the result goes (empty: none is final)."""
+    finals = final or [False] * len(queries)
     heads, length = queries[0][1].shape[1], queries[0][1].shape[2]
     keys, values = (repeat_kv(t, heads) for t in kv.transpose(2, 3).unbind(0))  # (b, n, s/p, d) views
     if len(key_chunks) == 1:   # (few tensor operations on the way: on a GPU the ring's pace is often the host's)
