@@ -18,7 +18,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tplab.collectives.tuning import human_bytes  # noqa: E402
 
-TPLAB = {"peer_one_shot_ll", "peer_one_shot_lamport", "peer_one_shot", "peer_two_shot", "peer_ring", "auto"}   # any input
+TPLAB = {"peer_one_shot_ll", "peer_one_shot_lamport", "peer_one_shot", "peer_two_shot_lamport", "peer_two_shot",
+         "peer_ring", "auto"}   # any input
 REGISTERED = "peer_registered"                    # tplab's kernels on an input already in the shared buffer
 IN_SHARED_MEMORY = {"nccl_symmetric", "symm_mem_one_shot", "symm_mem_two_shot"}       # the others' such input
 

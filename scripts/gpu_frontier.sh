@@ -25,8 +25,8 @@ CARD=$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name())" 2>/dev/n
 bench() { timeout 600 bash scripts/mpi_run.sh -n "$P" "$PYTHON" -m tplab bench allreduce --device gpu --machine "$CARD" "$@" || echo "FAILED: $*"; }
 
 small="-b 1K -e 4M -f 2 -n 50 --csv $OUT/small.csv"   # (every power of two: no gap left unmeasured)
-bench --peer-memory 64M $small --graph -a peer_one_shot_ll,peer_one_shot_lamport,peer_one_shot,peer_two_shot,auto,peer_registered,nccl,symm_mem_one_shot,symm_mem_two_shot
-bench --peer-memory 64M $small -a peer_one_shot_ll,peer_one_shot_lamport,peer_one_shot,peer_two_shot,auto,peer_registered,nccl,symm_mem_one_shot,symm_mem_two_shot
+bench --peer-memory 64M $small --graph -a peer_one_shot_ll,peer_one_shot_lamport,peer_one_shot,peer_two_shot_lamport,peer_two_shot,auto,peer_registered,nccl,symm_mem_one_shot,symm_mem_two_shot
+bench --peer-memory 64M $small -a peer_one_shot_ll,peer_one_shot_lamport,peer_one_shot,peer_two_shot_lamport,peer_two_shot,auto,peer_registered,nccl,symm_mem_one_shot,symm_mem_two_shot
 # NCCL's symmetric kernels in a process of their own: torch fixes the symmetric-memory backend once
 bench $small --graph -a nccl_symmetric
 bench $small -a nccl_symmetric

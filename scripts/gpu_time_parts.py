@@ -6,7 +6,7 @@ Per call, replayed from a CUDA graph of 50 calls (median of 9 replays, the slowe
 kernel (what any kernel in a graph costs), the agreement alone (``agree_only``: each rank sends its arguments'
 signature to every peer and waits for theirs), one_shot / one_shot_ll / one_shot_lamport at 1-256 KiB (and
 one_shot_lamport at 512 KiB and 1 MiB) with the agreement and without it (signature 0: the kernel alone, as when
-the ranks have agreed before), and two_shot at 256 KiB-16 MiB.
+the ranks have agreed before), two_shot_lamport at 16 KiB to its limit (2 MiB at p = 4) and two_shot at 256 KiB-16 MiB.
 Every result is checked.
 Writes OUT_DIR/gpu_allreduce_time_parts_<card>.csv (one row per part; ``stage`` names the code measured).
 """
@@ -57,7 +57,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--stage", default="as committed", help="a name for the code measured (a CSV column)")
-    parser.add_argument("--lamport-threads", type=int, default=0, help="one_shot_lamport's threads per block "
+    parser.add_argument("--lamport-threads", type=int, default=0, help="the Lamport kernels' threads per block "
                         "at every size (default: peer_memory.LAMPORT_THREADS, by size)")
     args = parser.parse_args()
     if args.lamport_threads:
@@ -90,12 +90,15 @@ def main():
                 add(kernel, size, agreement, graph_us(run))
                 if not all(WORLD.allgather(bool((out == WORLD.size).all()))):
                     raise SystemExit(f"{kernel} at {size} B: wrong sums")
-    for size in (256 << 10, 1 << 20, 4 << 20, 16 << 20):     # two_shot, where the two-shots take over
+    for size in (16 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20):   # the two-shots
         x = cupy.ones(size // 4, cupy.float32)
         out = cupy.empty_like(x)
-        add("two_shot", size, True, graph_us(peers.allreduce_init(x, out, "two_shot")))
-        if not all(WORLD.allgather(bool((out == WORLD.size).all()))):
-            raise SystemExit(f"two_shot at {size} B: wrong sums")
+        for kernel in ("two_shot_lamport", "two_shot"):
+            if size > peers.limit(kernel) or (kernel == "two_shot" and size < 256 << 10):
+                continue
+            add(kernel, size, True, graph_us(peers.allreduce_init(x, out, kernel)))
+            if not all(WORLD.allgather(bool((out == WORLD.size).all()))):
+                raise SystemExit(f"{kernel} at {size} B: wrong sums")
     peers.close()
     if WORLD.rank == 0:
         import pandas as pd

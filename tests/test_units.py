@@ -72,21 +72,24 @@ def test_peer_memory_kernels_ship_with_the_package():
     folder = files("tplab.gpu_collectives").joinpath("kernels")
     assert all(folder.joinpath(name).is_file() for name in KERNEL_FILES)
     source = kernel_source()
-    for kernel in ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "ring", "allgather", "flag_barrier",
-                   "sum_slots"]:
+    for kernel in ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot", "ring", "allgather",
+                   "flag_barrier", "sum_slots"]:
         assert f" {kernel}(" in source
 
 
 def test_peer_memory_auto_table_picks_by_size():
-    """"auto" on GPUs: the one-shots for small messages, two_shot in between, the ring for large ones (the
-    table measured on 4x H100); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
+    """"auto" on GPUs: the one-shots for small messages, the two-shots in between, the ring for large ones (the
+    table measured on 4x H100 and H200); a table from PeerMemory.tune() replaces it. No GPU needed for the lookup."""
     from types import SimpleNamespace
 
     from tplab.gpu_collectives.peer_memory import DEFAULT_TABLE, TABLE_FOR_RANKS, PeerMemory
 
     pm = SimpleNamespace(table=list(DEFAULT_TABLE), limit=lambda algorithm: 1 << 62)
-    assert [PeerMemory.choose(pm, n) for n in (1024, 1 << 20, (1 << 20) + 16, 16 << 20, 256 << 20)] \
-        == ["one_shot_lamport", "one_shot_lamport", "two_shot", "two_shot", "ring"]
+    assert [PeerMemory.choose(pm, n) for n in (1024, 512 << 10, 1 << 20, 2 << 20, (2 << 20) + 16, 16 << 20,
+                                               256 << 20)] \
+        == ["one_shot_lamport", "one_shot_lamport", "two_shot_lamport", "two_shot_lamport", "two_shot", "two_shot",
+            "ring"]
+    assert PeerMemory.choose(pm, 1 << 20, "int") == "two_shot"   # (two_shot_lamport's sentinel: floats only)
     pm.limit = lambda algorithm: 256 << 10 if algorithm == "one_shot_ll" else 1 << 62
     assert [PeerMemory.choose(pm, n, "int") for n in (1024, 256 << 10, (256 << 10) + 16)] \
         == ["one_shot_ll", "one_shot_ll", "two_shot"]   # (integers: one_shot_ll to its limit)
@@ -109,6 +112,27 @@ def test_peer_memory_auto_table_picks_by_size():
     pm.table = [(1024, "one_shot_lamport"), (4096, "one_shot_lamport")]   # a tuned table that ends in it
     assert [PeerMemory.choose(pm, n, "int") for n in (8192, 300 << 10)] == ["one_shot_ll", "two_shot"]
     assert PeerMemory.choose(pm, 300 << 10, "bf16_bits") == "one_shot_lamport"
+    pm.table = [(1 << 20, "two_shot_lamport"), (1 << 62, "ring")]   # its sentinel too: two_shot for the others
+    assert [PeerMemory.choose(pm, 1 << 20, element) for element in ("float", "bf16_bits", "int", "double")] \
+        == ["two_shot_lamport"] * 2 + ["two_shot"] * 2
+
+
+def test_two_shot_lamport_takes_what_its_slots_hold():
+    """two_shot_lamport's 2p slots per half of one_shot_lamport's area, each half of a one-shot's slot: p/2
+    times one_shot_lamport's limit, the chunks (whole cache lines) never longer than a slot."""
+    from types import SimpleNamespace
+
+    from tplab.gpu_collectives.peer_kernels import LINE_PACKS, PACK
+    from tplab.gpu_collectives.peer_memory import PeerMemory
+
+    for p in range(2, 9):
+        pm = SimpleNamespace(size=p, small=8 << 20, ll_bytes=256 << 10, lamport_bytes=1 << 20,
+                             lamport_slot_packs=(1 << 20) // PACK, nbytes=64 << 20)
+        limit = PeerMemory.limit(pm, "two_shot_lamport")
+        assert limit == p * (1 << 19)
+        packs = limit // PACK
+        chunk = -(-packs // (p * LINE_PACKS)) * LINE_PACKS       # (PeerMemory.allreduce_kernel's)
+        assert chunk <= pm.lamport_slot_packs // 2 and 2 * p * (pm.lamport_slot_packs // 2) * PACK == p << 20
 
 
 @given(packs=st.integers(1, 1 << 26), p=st.integers(2, 8), lines=st.integers(1, 1 << 16))
@@ -148,6 +172,7 @@ def test_lamport_blocks_grow_until_a_pack_per_thread(work, max_blocks):
 
     fewest, most = LAMPORT_THREADS
     threads = block_threads("one_shot_lamport", work, max_blocks)
+    assert block_threads("two_shot_lamport", work, max_blocks) == threads   # (its work: one chunk)
     assert threads in (64, 128, 256) and fewest <= threads <= most
     assert threads == most or -(-work // threads) <= max_blocks      # one pack per thread, or as large as it goes
     assert threads == fewest or -(-work // (threads // 2)) > max_blocks  # doubled only when the grid was short

@@ -76,7 +76,8 @@ def parse_size(text: str) -> int:
 
 
 # --peer-memory: one kernel each, by name
-PEER_KERNELS = ("peer_one_shot_ll", "peer_one_shot_lamport", "peer_one_shot", "peer_two_shot", "peer_ring")
+PEER_KERNELS = ("peer_one_shot_ll", "peer_one_shot_lamport", "peer_one_shot", "peer_two_shot_lamport", "peer_two_shot",
+                "peer_ring")
 
 
 def cmd_bench(args) -> int:
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
                    help="gpu: one rank per GPU (bound by node-local rank), arrays on the GPU, NCCL as the built-in")
     p.add_argument("--peer-memory", type=parse_size, default=0,
                    help="GPU all-reduce on a PeerMemoryComm with buffers of this size per rank (enables "
-                        "peer_one_shot_ll, peer_one_shot_lamport, peer_one_shot, peer_two_shot, peer_ring; auto picks "
+                        "peer_one_shot_ll, peer_one_shot_lamport, peer_one_shot, peer_two_shot_lamport, peer_two_shot, "
+                        "peer_ring; auto picks "
                         "among them by size; "
                         "peer_registered: auto on an input already in the shared buffer, in place)")
     p.set_defaults(func=cmd_bench)

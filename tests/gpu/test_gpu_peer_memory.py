@@ -53,8 +53,8 @@ def close(got, want, scale, dtype) -> bool:
 LAMPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "two_shot_pull",
-                                       "ring", "ring_pull", "auto", "copy_engine"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot",
+                                       "two_shot_pull", "ring", "ring_pull", "auto", "copy_engine"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("count", [0, 1, 7, P + 1, 1023, 65537])
 def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
@@ -62,8 +62,8 @@ def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
     if x.nbytes > PEERS.limit(algorithm):
         pytest.skip(f"{algorithm} takes up to {PEERS.limit(algorithm)} bytes")
     bf16 = dtype == "bfloat16"
-    if algorithm == "one_shot_lamport" and dtype not in LAMPORT_DTYPES:   # (its sentinel is a NaN of theirs)
-        with pytest.raises(ValueError, match="one_shot_lamport sums float32, bfloat16 and float16 only"):
+    if algorithm.endswith("_lamport") and dtype not in LAMPORT_DTYPES:   # (its sentinel is a NaN of theirs)
+        with pytest.raises(ValueError, match=f"{algorithm} sums float32, bfloat16 and float16 only"):
             PEERS.allreduce(x, algorithm, bf16=bf16)
         return
     want = NCCL.builtin_allreduce(values)
@@ -82,7 +82,8 @@ def test_equals_nccl_and_is_identical_everywhere(algorithm, dtype, count):
     agree(same_on_every_rank(cupy.asnumpy(results[0]).tobytes()), "ranks differ")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "two_shot_pull", "ring", "ring_pull"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot_lamport", "two_shot", "two_shot_pull", "ring",
+                                       "ring_pull"])
 def test_in_place_on_the_shared_buffer(algorithm):
     x, values = inputs("float32", 10007)
     buf = PEERS.buffer(x.size, "float32")
@@ -127,7 +128,8 @@ def test_back_to_back_launches_see_each_others_writes(graph):
     between (CuPy's kernels are launched the plain way)."""
     x, values = inputs("float32", 3000)
     algorithms = ["one_shot_ll", "two_shot", "ring", "one_shot", "one_shot_ll", "one_shot_lamport", "two_shot",
-                  "one_shot_lamport", "one_shot_ll", "one_shot_lamport"]
+                  "one_shot_lamport", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot_lamport",
+                  "one_shot_lamport", "two_shot_lamport", "ring", "two_shot_lamport"]
     outs = [cupy.zeros_like(x) for _ in algorithms]
     runs = [PEERS.allreduce_init(x, out, algorithm) for out, algorithm in zip(outs, algorithms)]
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -152,20 +154,21 @@ def test_signature_zero_meets_before_it_writes():
     peers before it writes into their buffers: a small two_shot, then a larger one and a ring that would
     write where a slower peer still copies the small one's results out, back to back, many times; and a
     one_shot_lamport after the ring (which meets only its neighbours), whose pushes must not land before a
-    peer two calls behind has written its sentinel back."""
+    peer two calls behind has written its sentinel back, and a two_shot_lamport on the other half."""
     small, big = inputs("float32", 64), inputs("float32", 60000)
-    outs = [cupy.zeros_like(small[0]), cupy.zeros_like(big[0]), cupy.zeros_like(big[0]), cupy.zeros_like(big[0])]
+    outs = [cupy.zeros_like(small[0])] + [cupy.zeros_like(big[0]) for _ in range(4)]
     runs = [PEERS.allreduce_init(small[0], outs[0], "two_shot", sig=0),
             PEERS.allreduce_init(big[0], outs[1], "two_shot", sig=0),
             PEERS.allreduce_init(big[0], outs[2], "ring", sig=0),
-            PEERS.allreduce_init(big[0], outs[3], "one_shot_lamport", sig=0)]
+            PEERS.allreduce_init(big[0], outs[3], "one_shot_lamport", sig=0),
+            PEERS.allreduce_init(big[0], outs[4], "two_shot_lamport", sig=0)]
     copies = []
     for _ in range(20):  # (no host wait, no other call in between: copies of the results on the same stream)
         for run in runs:
             run()
         copies.append([out.copy() for out in outs])
-    wants = [NCCL.builtin_allreduce(v) for v in (small[1], big[1], big[1], big[1])]
-    scales = [NCCL.builtin_allreduce(cupy.abs(v)) for v in (small[1], big[1], big[1], big[1])]
+    wants = [NCCL.builtin_allreduce(v) for v in (small[1], big[1], big[1], big[1], big[1])]
+    scales = [NCCL.builtin_allreduce(cupy.abs(v)) for v in (small[1], big[1], big[1], big[1], big[1])]
     wrong = sum(not close(got.astype(cupy.float64), want, scale, "float32")
                 for results in copies for got, want, scale in zip(results, wants, scales))
     agree(wrong == 0, f"signature 0: {wrong} of {len(runs) * len(copies)} results wrong")
@@ -176,8 +179,8 @@ def test_algorithms_in_any_order():
     every call's meeting before it writes into a peer): a random sequence of all of them, each checked."""
     rng = np.random.default_rng(7)  # the same sequence on every rank
     for step in range(40):
-        algorithm = ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "two_shot_pull", "ring",
-                     "ring_pull"][rng.integers(7)]
+        algorithm = ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot", "two_shot_pull",
+                     "ring", "ring_pull"][rng.integers(8)]
         count = int(rng.choice([5, 1000, 40000]))
         x, values = inputs("float32", count)
         got = PEERS.allreduce(x + step, algorithm)
@@ -186,8 +189,8 @@ def test_algorithms_in_any_order():
               f"step {step}: {algorithm} n={count}")
 
 
-@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "two_shot_pull",
-                                       "ring", "ring_pull"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot",
+                                       "two_shot_pull", "ring", "ring_pull"])
 def test_replayed_from_a_cuda_graph(algorithm):
     x, values = inputs("float32", 4096)
     out = cupy.zeros_like(x)
@@ -294,6 +297,17 @@ def test_bad_arguments_raise_on_every_rank():
             agree(close(PEERS.allreduce(x + k, "one_shot_lamport").astype(cupy.float64),
                         NCCL.builtin_allreduce(values + k), NCCL.builtin_allreduce(cupy.abs(values + k)), "float32"),
                   f"one_shot_lamport call {k} after its failed calls")
+        # two_shot_lamport likewise: a peer with another size pushes into other slots' places, one with another
+        # algorithm waits for data nobody sends; then calls of both halves of the area are right
+        for count, algorithm in ((100000 if COMM.rank == 0 else 3000, "two_shot_lamport"),
+                                 (40000, "two_shot_lamport" if COMM.rank == 0 else "one_shot_lamport")):
+            with pytest.raises(ValueError, match="ranks disagree"):
+                PEERS.allreduce(cupy.ones(count, dtype="float32"), algorithm)
+        for k in range(3):
+            x, values = inputs("float32", 100000)
+            agree(close(PEERS.allreduce(x + k, "two_shot_lamport").astype(cupy.float64),
+                        NCCL.builtin_allreduce(values + k), NCCL.builtin_allreduce(cupy.abs(values + k)), "float32"),
+                  f"two_shot_lamport call {k} after its failed calls")
     with pytest.raises(ValueError, match="one_shot handles up to"):
         PEERS.allreduce(cupy.zeros(PEERS.small // 4 + 4, dtype="float32"), "one_shot")
     with pytest.raises(ValueError, match="out may lie in the shared buffer only"):
@@ -332,16 +346,18 @@ def test_tplab_allreduce_on_peer_memory_runs_the_kernels():
         for count in [3, 1000, 300000]:
             x = cupy.arange(count, dtype=cupy.int32) + COMM.rank
             want = NCCL.builtin_allreduce(x)
-            for kernel in ["auto", "one_shot_ll", "one_shot_lamport", "one_shot", "two_shot", "ring"]:
-                comm.kernel = kernel     # (one_shot_lamport does not sum integers: NCCL does, as for any other)
+            for kernel in ["auto", "one_shot_ll", "one_shot_lamport", "one_shot", "two_shot_lamport", "two_shot",
+                           "ring"]:
+                comm.kernel = kernel     # (the Lamport kernels do not sum integers: NCCL does, as for any other)
                 for _ in range(2):  # the plan's first call and a later one
                     agree(bool((tplab.allreduce(x, comm) == want).all()), f"{kernel} n={count}")
     finally:
         comm.close()
 
 
+@pytest.mark.parametrize("algorithm", ["one_shot_lamport", "two_shot_lamport"])
 @pytest.mark.parametrize("dtype", LAMPORT_DTYPES)
-def test_lamport_inputs_that_hold_its_sentinel(dtype):
+def test_lamport_inputs_that_hold_its_sentinel(dtype, algorithm):
     """one_shot_lamport's area holds all-ones words until data lands, and a sender swaps any all-ones word of
     its input for another NaN: inputs holding that pattern (whole all-ones words, and for 16-bit types single
     all-ones elements too) give NaN where any rank has one, the right sum elsewhere, the same bits on every
@@ -361,7 +377,7 @@ def test_lamport_inputs_that_hold_its_sentinel(dtype):
     special[cupy.asarray(marks)] = True
     if dtype != "float32":
         special[cupy.asarray(marks) + 1] = True
-    results = [PEERS.allreduce(x, "one_shot_lamport", bf16=dtype == "bfloat16") for _ in range(3)]
+    results = [PEERS.allreduce(x, algorithm, bf16=dtype == "bfloat16") for _ in range(3)]
     got = as_float64(results[0], dtype == "bfloat16")
     nan_where = cupy.isnan(got)
     want = NCCL.builtin_allreduce(cupy.where(special, 0.0, values))

@@ -26,12 +26,12 @@ import numpy as np
 
 from tplab.comm.nccl import nccl_world
 from tplab.comm.wrapped import Wrapped
-from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, LAMPORT_TYPES, PACK, fast_launcher
+from tplab.gpu_collectives.peer_kernels import KERNEL_TYPES, LAMPORT_KERNELS, LAMPORT_TYPES, PACK, fast_launcher
 from tplab.gpu_collectives.peer_memory import PULLED, PeerMemory, capturing
 from tplab.gpu_collectives.signature import signature
 from tplab.toolkit.arrays import external_stream, is_gpu_array, is_torch, torch_stream_pointer
 
-KERNELS = ("auto", "one_shot_ll", "one_shot_lamport", "one_shot", "two_shot", "ring")
+KERNELS = ("auto", "one_shot_ll", "one_shot_lamport", "one_shot", "two_shot_lamport", "two_shot", "ring")
 
 
 class PeerMemoryComm(Wrapped):
@@ -77,7 +77,7 @@ class PeerMemoryComm(Wrapped):
     # ---- its own collectives --------------------------------------------------------------------------------
     def _kernels_take(self, nbytes: int, dtype_name: str, op_name: str) -> bool:
         fits = nbytes <= self.peers.limit(self.kernel)
-        sums = dtype_name in KERNEL_TYPES and (self.kernel != "one_shot_lamport"
+        sums = dtype_name in KERNEL_TYPES and (self.kernel not in LAMPORT_KERNELS
                                                or KERNEL_TYPES[dtype_name] in LAMPORT_TYPES)
         return op_name == "sum" and sums and fits
 

@@ -23,9 +23,10 @@ LINE_PACKS = 8              # chunks are whole 128-byte cache lines
 # numpy's name of an element type -> the kernels' (16-bit floats travel as their bits, summed in float32)
 KERNEL_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long",
                 "bfloat16": "bf16_bits", "float16": "f16_bits"}
-# one_shot_lamport's: the types whose all-ones 32-bit word is a NaN, which it can swap for another NaN
-# (kernels/one_shot_lamport.cu)
+# one_shot_lamport's and two_shot_lamport's: the types whose all-ones 32-bit word is a NaN, which they can swap
+# for another NaN (kernels/one_shot_lamport.cu)
 LAMPORT_TYPES = ("float", "bf16_bits", "f16_bits")
+LAMPORT_KERNELS = ("one_shot_lamport", "two_shot_lamport")
 
 
 def kernel(name: str):
@@ -40,14 +41,14 @@ def _module():
     templates = ("one_shot", "one_shot_ll", "two_shot", "two_shot_pull", "ring", "ring_pull", "sum_slots")
     names = ["flag_barrier", "failure_barrier", "allgather", "alltoall", "agree_only", "pdl_probe"]
     names += [f"{k}<{t}>" for k in templates for t in KERNEL_TYPES.values()]
-    names += [f"one_shot_lamport<{t}>" for t in LAMPORT_TYPES]
+    names += [f"{k}<{t}>" for k in LAMPORT_KERNELS for t in LAMPORT_TYPES]
     return cupy.RawModule(code=kernel_source(), options=("-std=c++17",), name_expressions=names)
 
 
 # The kernels' source, one concept per file, compiled as one translation unit in this order (each file uses
 # what the files before it define).
-KERNEL_FILES = ("memory_model.cuh", "agreement.cuh", "one_shot.cu", "one_shot_lamport.cu", "two_shot.cu", "ring.cu",
-                "allgather.cu", "copy_engine_sum.cu", "alltoall.cu")
+KERNEL_FILES = ("memory_model.cuh", "agreement.cuh", "one_shot.cu", "one_shot_lamport.cu", "two_shot_lamport.cu",
+                "two_shot.cu", "ring.cu", "allgather.cu", "copy_engine_sum.cu", "alltoall.cu")
 
 
 def kernel_source() -> str:

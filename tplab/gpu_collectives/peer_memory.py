@@ -16,6 +16,9 @@ This is how vLLM's and TensorRT-LLM's custom all-reduces work; the kernels are i
     one_shot_      1       (p-1)·n written: the area       the same for 16- and 32-bit floats, half the
       lamport              holds a "not yet" value no      bytes: the data is its own flag (TensorRT-
                            input can, until data lands     LLM's Lamport all-reduce)
+    two_shot_      2       2(p-1)/p·n written into         mid sizes (to p/2 MiB): two_shot's bytes, and
+      lamport              one_shot_lamport's area: the    no barrier -- each half waits for its data
+                           data is its own flag            (TensorRT-LLM's two-shot Lamport)
     two_shot       2       2(p-1)/p·n written: push the    large messages on a switch (NVSwitch): every
                            chunks to their owners, then    link busy at once
                            the results to everyone
@@ -47,12 +50,13 @@ from tplab.comm.base import CollectiveArgumentError
 from tplab.gpu_collectives.peer_agreement import (AGREE_SLOT, BARRIER_SLOT, MAX_BLOCKS, MAX_RANKS,  # noqa: F401
                                                   MISMATCH, PEER_REFUSED, SIGNATURE_BYTES, STATUS_WORDS,
                                                   STREAM_SLOT, TIMEOUT, GpuAgreement, capturing)
-from tplab.gpu_collectives.peer_kernels import (LAMPORT_TYPES, LINE_PACKS, PACK, fast_launcher, kernel,
-                                                programmatic_launch_works, raw_bytes, type_name, whole_packs)
+from tplab.gpu_collectives.peer_kernels import (LAMPORT_KERNELS, LAMPORT_TYPES, LINE_PACKS, PACK, fast_launcher,
+                                                kernel, programmatic_launch_works, raw_bytes, type_name, whole_packs)
 from tplab.gpu_collectives.signature import AGREED_ALREADY, REFUSED, signature
 from tplab.toolkit.arrays import external_stream
 
-ALGORITHMS = ("one_shot", "one_shot_ll", "one_shot_lamport", "two_shot", "two_shot_pull", "ring", "ring_pull")
+ALGORITHMS = ("one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot", "two_shot_pull", "ring",
+              "ring_pull")
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
 LAMPORT_BYTES = 1 << 20     # one_shot_lamport's limit: its area, after one_shot_ll's, 2 halves x p senders x this
@@ -72,14 +76,17 @@ LAMPORT_THREADS = (64, 256)  # one_shot_lamport: blocks of 64 threads, doubled (
                             #  6.3-6.4 / 6.5 at 256 KiB, 11.3 / 8.7-8.9 / 8.7-8.8 at 512 KiB, 19.9-20.4 / 15.0-15.2 /
                             #  13.3-13.4 at 1 MiB (data/gpu_allreduce_time_parts_h100.csv, "threads" stages);
                             #  512 threads do not launch (registers)
-# What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured on 4x H100 with
-# NVLink from CUDA graphs: one_shot_lamport to its 1 MiB limit for the floats it sums (one_shot_ll for the
-# others, to its 256 KiB limit): 4.1 / 4.5 / 4.9 / 6.6 / 9.0 / 13.7 us at 1 / 16 / 64 / 256 / 512 KiB / 1 MiB,
-# against one_shot_ll's 4.3 / 5.0 / 5.9 / 9.2 and two_shot's 12.5 / 14.4 at 512 KiB / 1 MiB
-# (data/gpu_frontier_4x-h100_small-messages_lamport.csv, start 3); two_shot to 16 MiB, the ring beyond
-# (_256MiB_pushed-two-shot.csv); tune() measures it again on the machine at hand (at p = 2 the one-shots win
-# up to larger sizes).
-DEFAULT_TABLE = ((1 << 20, "one_shot_lamport"), (16 << 20, "two_shot"), (1 << 62, "ring"))
+# What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured with NVLink from
+# CUDA graphs. On 4x H100: one_shot_lamport for the floats it sums (one_shot_ll for the others, to its 256 KiB
+# limit): 4.1 / 4.5 / 4.9 / 6.6 / 9.0 us at 1 / 16 / 64 / 256 / 512 KiB, against one_shot_ll's 4.3 / 5.0 /
+# 5.9 / 9.2 and two_shot's 12.5 at 512 KiB (data/gpu_frontier_4x-h100_small-messages_lamport.csv, start 3).
+# Then two_shot_lamport to 2 MiB (its limit at p = 4; two_shot for the types it cannot sum), measured on
+# 4x H200: 11.5 / 15.7-16.1 us at 1 / 2 MiB against one_shot_lamport's 13.7 and two_shot's 13.0 / 18.4, and
+# behind one_shot_lamport at 512 KiB (9.3 against 8.8; data/gpu_two_shot_lamport_4x-h200.csv); two_shot to
+# 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv). tune() measures it again on the machine at hand (at
+# p = 2 the one-shots win up to larger sizes).
+DEFAULT_TABLE = ((512 << 10, "one_shot_lamport"), (2 << 20, "two_shot_lamport"), (16 << 20, "two_shot"),
+                 (1 << 62, "ring"))
 # On 2 GPUs a one-shot writes (or reads) as many bytes as two_shot moves and synchronises once: measured on
 # 2x H100 (data/gpu_frontier_2x-h100_small-messages_lamport.csv, _256MiB.csv), one_shot_lamport to its
 # 1 MiB limit (8.2 us there against one_shot's 10.7), one_shot to 4 MiB, two_shot beyond (at 256 MiB ahead
@@ -230,16 +237,18 @@ class PeerMemory(GpuAgreement):
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def limit(self, algorithm: str) -> int:
         """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own)."""
-        return {"one_shot": self.small, "one_shot_ll": self.ll_bytes,
-                "one_shot_lamport": self.lamport_bytes}.get(algorithm, self.nbytes)
+        return {"one_shot": self.small, "one_shot_ll": self.ll_bytes, "one_shot_lamport": self.lamport_bytes,
+                "two_shot_lamport": self.size * self.lamport_slot_packs // 2 * PACK}.get(algorithm, self.nbytes)
 
     def choose(self, nbytes: int, element: str = "float") -> str:
         """What "auto" runs for ``nbytes`` per rank of ``element``s (peer_kernels.KERNEL_TYPES' values): the
         fastest measured at the nearest size at or above that its area takes (``tune`` measures them here;
         until then, the switch points measured on 4x H100, or on 2x H100 for two ranks). one_shot_lamport
-        where the table says so is one_shot_ll for the types it cannot sum."""
+        and two_shot_lamport where the table says so are one_shot_ll and two_shot for the types they cannot sum."""
         def takes(algorithm):
-            return "one_shot_ll" if algorithm == "one_shot_lamport" and element not in LAMPORT_TYPES else algorithm
+            if algorithm in LAMPORT_KERNELS and element not in LAMPORT_TYPES:
+                return {"one_shot_lamport": "one_shot_ll", "two_shot_lamport": "two_shot"}[algorithm]
+            return algorithm
 
         for upper, algorithm in self.table:
             if nbytes <= upper and nbytes <= self.limit(takes(algorithm)):   # (the one-shots' areas may be smaller)
@@ -333,7 +342,7 @@ class PeerMemory(GpuAgreement):
         chunk = -(-packs // (self.size * LINE_PACKS)) * LINE_PACKS     # packs per chunk, whole cache lines
         if algorithm == "two_shot":                                    # two areas of p chunks: in rounds
             chunk = two_shot_chunk(packs, self.size, self.nbytes // PACK)
-        work = packs if algorithm.startswith("one_shot") else chunk
+        work = packs if algorithm.startswith("one_shot") else chunk   # (two_shot_lamport: one chunk, p at a time)
         threads = block_threads(algorithm, work, self.max_blocks)
         blocks = max(1, min(self.max_blocks, -(-work // threads)))
         args = [source, target, self.data_pointers, self.flag_pointers, self.epochs,
@@ -344,6 +353,9 @@ class PeerMemory(GpuAgreement):
             args += [np.int64(packs), np.int64((self.nbytes + 2 * self.small) // PACK), np.int64(self.ll_slot_lines)]
         elif algorithm == "one_shot_lamport":
             args += [np.int64(packs), np.int64(self.lamport_area[0] // PACK), np.int64(self.lamport_slot_packs)]
+        elif algorithm == "two_shot_lamport":                          # 2p slots per half: scatter, gather
+            args += [np.int64(chunk), np.int64(packs), np.int64(self.lamport_area[0] // PACK),
+                     np.int64(self.lamport_slot_packs // 2)]
         else:
             args += [np.int64(chunk), np.int64(packs)]
         if algorithm == "two_shot":                                    # its result slots: the second half
@@ -431,8 +443,8 @@ class PeerMemory(GpuAgreement):
         for nbytes in sizes:
             x = cupy.ones(nbytes // np.dtype(dtype).itemsize, dtype=dtype)
             out = cupy.empty_like(x)
-            for algorithm in ("one_shot_ll", "one_shot_lamport", "one_shot", "two_shot", "ring"):
-                if nbytes > self.limit(algorithm) or (algorithm == "one_shot_lamport"
+            for algorithm in ("one_shot_ll", "one_shot_lamport", "one_shot", "two_shot_lamport", "two_shot", "ring"):
+                if nbytes > self.limit(algorithm) or (algorithm in LAMPORT_KERNELS
                                                       and type_name(dtype) not in LAMPORT_TYPES):
                     continue
                 run = self.allreduce_init(x, out, algorithm)
@@ -504,7 +516,7 @@ def block_threads(algorithm: str, work: int, max_blocks: int) -> int:
     how many SMs issue them); THREADS."""
     if algorithm == "one_shot_ll":
         return LL_THREADS
-    if algorithm == "one_shot_lamport":
+    if algorithm in LAMPORT_KERNELS:
         threads, most = LAMPORT_THREADS
         while threads < most and -(-work // threads) > max_blocks:
             threads *= 2
@@ -552,8 +564,8 @@ def _problem(pm: PeerMemory, x, algorithm: str, out, bf16: bool) -> str:
         return f"x is on GPU {x.device.id}, this rank's peer memory on GPU {pm.device}"
     element = "bf16_bits" if bf16 else type_name(x.dtype)
     chosen = pm.choose(x.nbytes, element) if algorithm == "auto" else algorithm
-    if chosen == "one_shot_lamport" and element not in LAMPORT_TYPES:
-        return "one_shot_lamport sums float32, bfloat16 and float16 only (its sentinel is a NaN of theirs)"
+    if chosen in LAMPORT_KERNELS and element not in LAMPORT_TYPES:
+        return f"{chosen} sums float32, bfloat16 and float16 only (its sentinel is a NaN of theirs)"
     if x.nbytes > pm.limit(chosen):
         return f"{chosen} handles up to {pm.limit(chosen)} bytes, not {x.nbytes}: use two_shot or ring"
     return ""
