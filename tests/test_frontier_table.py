@@ -19,15 +19,15 @@ def one_start(name, start):   # files that hold several machine starts; a table 
 
 
 def h200_runs(folder):
-    # the run with graphs (the second of two machine starts, the code as committed): the frontier with LAYERS=1,
-    # its sequence-parallel layer in three runs, each path eagerly and replayed from CUDA graphs
-    for name, target in (("gpu_frontier_4x-h200_small-messages_graphs.csv", "small.csv"),
-                         ("gpu_frontier_4x-h200_256MiB_graphs.csv", "large.csv"),
-                         ("gpu_api_allreduce_4x-h200_graphs.csv", "gpu_api_allreduce_4x-h200.csv"),
-                         ("async_tp_gpu_4x-h200_graphs.csv", "async_tp_gpu_4x-nvidia-h200.csv")):
-        one_start(name, 2).to_csv(folder / target, index=False)
+    # the run with two_shot_lamport (one machine start, the code as committed): the frontier with LAYERS=1, its
+    # sequence-parallel layer in three runs, each path eagerly and replayed from CUDA graphs
+    for name, target in (("gpu_frontier_4x-h200_small-messages_two-shot-lamport.csv", "small.csv"),
+                         ("gpu_frontier_4x-h200_256MiB_two-shot-lamport.csv", "large.csv"),
+                         ("gpu_api_allreduce_4x-h200_two-shot-lamport.csv", "gpu_api_allreduce_4x-h200.csv"),
+                         ("async_tp_gpu_4x-h200_two-shot-lamport.csv", "async_tp_gpu_4x-nvidia-h200.csv")):
+        (folder / target).write_bytes((DATA / name).read_bytes())
     (folder / "async_tp_gpu_2x-nvidia-h200.csv").write_bytes((DATA / "async_tp_gpu_2x-h200.csv").read_bytes())
-    return one_start("sequence_parallel_gpu_4x-h200_graphs.csv", 2)
+    return pd.read_csv(DATA / "sequence_parallel_gpu_4x-h200_two-shot-lamport.csv")
 
 
 def h100_runs(folder):

@@ -75,14 +75,15 @@ LAMPORT_THREADS = (64, 256)  # one_shot_lamport: blocks of 64 threads, doubled (
                             #  64 / 128 / 256 threads 4.51-4.59 / 4.54-4.60 / 4.72-4.79 us at 64 KiB, 6.7-7.0 /
                             #  6.3-6.4 / 6.5 at 256 KiB, 11.3 / 8.7-8.9 / 8.7-8.8 at 512 KiB, 19.9-20.4 / 15.0-15.2 /
                             #  13.3-13.4 at 1 MiB (data/gpu_allreduce_time_parts_h100.csv, "threads" stages);
-                            #  512 threads do not launch (registers)
+                            #  512 threads do not launch (registers). two_shot_lamport's too (its work: a chunk):
+                            #  4x H200, a first sweep, 32-128 threads within 2% at 16 KiB-2 MiB, 256 3-7% slower
 # What "auto" runs, by bytes per rank: (up to this size, algorithm), the fastest measured with NVLink from
 # CUDA graphs. On 4x H100: one_shot_lamport for the floats it sums (one_shot_ll for the others, to its 256 KiB
 # limit): 4.1 / 4.5 / 4.9 / 6.6 / 9.0 us at 1 / 16 / 64 / 256 / 512 KiB, against one_shot_ll's 4.3 / 5.0 /
 # 5.9 / 9.2 and two_shot's 12.5 at 512 KiB (data/gpu_frontier_4x-h100_small-messages_lamport.csv, start 3).
 # Then two_shot_lamport to 2 MiB (its limit at p = 4; two_shot for the types it cannot sum), measured on
-# 4x H200: 11.5 / 15.7-16.1 us at 1 / 2 MiB against one_shot_lamport's 13.7 and two_shot's 13.0 / 18.4, and
-# behind one_shot_lamport at 512 KiB (9.3 against 8.8; data/gpu_two_shot_lamport_4x-h200.csv); two_shot to
+# 4x H200: 11.5 / 15.5 us at 1 / 2 MiB against one_shot_lamport's 13.4 and two_shot's 12.8 / 18.1, and
+# behind one_shot_lamport at 512 KiB (9.2 against 8.6; data/gpu_allreduce_time_parts_h200.csv); two_shot to
 # 16 MiB, the ring beyond (_256MiB_pushed-two-shot.csv). tune() measures it again on the machine at hand (at
 # p = 2 the one-shots win up to larger sizes).
 DEFAULT_TABLE = ((512 << 10, "one_shot_lamport"), (2 << 20, "two_shot_lamport"), (16 << 20, "two_shot"),

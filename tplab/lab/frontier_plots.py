@@ -1,11 +1,13 @@
 """Figures of notebook 03's last GPU sections: a small all-reduce waiting for its agreement and its data
-together, two_shot agreeing in its first barrier, the data as its own flag, and what the links carry at most
+together, two_shot agreeing in its first barrier, the data as its own flag (one-shot and two-shot), and what the
+links carry at most
 next to what the large all-reduces get. Same conventions as ``reference_plots`` (one question per figure, the
 algorithms in their ``color_of`` colours).
 
     waiting_together(parts[, runs])      one_shot_ll before and after, A/B runs on 4 GPUs, and its floor
     first_barrier_agrees(ab, frontier)   two_shot agreeing first against agreeing in its first barrier, and torch's
     data_as_its_own_flag(parts, frontier)  one_shot_lamport against one_shot_ll, then against the others
+    two_shot_without_barriers(frontier)  two_shot_lamport against two_shot, one_shot_lamport and torch's two-shot
     link_ceiling(ceiling, allreduces)    GB/s out of each GPU: the wire alone, and three all-reduces' bus bandwidth
 """
 
@@ -130,6 +132,27 @@ def data_as_its_own_flag(parts, frontier):
     fig.suptitle("small all-reduces on 4x H100: the data as its own flag", fontsize=10)
     return fig
 
+
+
+def two_shot_without_barriers(frontier):
+    """One frontier run on 4 GPUs (``frontier``: tplab bench rows, CUDA graphs), 64 KiB to 4 MiB: tplab's
+    two_shot_lamport (the two-shot's pushes, each half waiting for its data) against its two_shot (two barriers)
+    and one_shot_lamport (the data as its flag, p - 1 times the bytes), with torch's symmetric-memory two-shot and
+    NCCL's symmetric kernels dashed."""
+    fig, ax = plt.subplots(figsize=(min(7.5, MAX_WIDTH), 4.2), constrained_layout=True)
+    graph = frontier[(frontier["mode"] == "graph") & frontier["size"].between(64 << 10, 4 << 20)]
+    for name, label in (("peer_two_shot_lamport", "tplab two_shot_lamport: no barrier"),
+                        ("peer_two_shot", "tplab two_shot: two barriers"),
+                        ("peer_one_shot_lamport", "tplab one_shot_lamport: (p-1) x the bytes"),
+                        ("symm_mem_two_shot", "torch symm_mem two-shot"), ("nccl_symmetric", "NCCL symmetric kernels")):
+        rows = graph[graph.algorithm == name].groupby("size").time_us.median()
+        ax.plot(rows.index, rows.values, "-" if name.startswith("peer_") else "--", marker="o" if
+                name == "peer_two_shot_lamport" else ".", color=color_of(name), label=label)
+    sizes = sorted(graph["size"].unique())[::2]
+    ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
+           title="4x H200: a two-shot whose data is its own flag")
+    _by_size(ax, sizes, legend_size=8)
+    return fig
 
 def link_ceiling(ceiling, allreduces):
     """GB/s out of each GPU while every GPU sends to every peer at once (gpu_link_ceiling_*.csv: copy engines,

@@ -27,7 +27,7 @@ COLORS = {
     "peer_one_shot": "tab:cyan", "one_shot": "tab:cyan", "peer_two_shot": "tab:olive", "two_shot": "tab:olive",
     "peer_one_shot_ll": "darkcyan", "one_shot_ll": "darkcyan",
     "peer_one_shot_lamport": "navy", "one_shot_lamport": "navy",
-    "peer_two_shot_lamport": "darkorange", "two_shot_lamport": "darkorange",
+    "peer_two_shot_lamport": "mediumvioletred", "two_shot_lamport": "mediumvioletred",
     "peer_ring": "tab:orange", "copy_engine": "tab:brown", "peer_registered": "darkolivegreen",
     # sequence-parallel schemes (notebook 05; allgather_kv and ulysses keep the colours they always had)
     "streamed_kv": "darkgoldenrod", "fused_kv": "crimson",

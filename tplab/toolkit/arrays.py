@@ -22,6 +22,7 @@ CuPy and torch are imported only when an array of theirs shows up: the CPU path 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 
@@ -142,11 +143,17 @@ def _torch_allocator():
         import cupy
         import torch
 
+        alloc, delete, current_stream = (torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete,
+                                         torch.cuda.current_stream)
+
         def malloc(size: int, device: int) -> int:
-            return torch.cuda.caching_allocator_alloc(size, device, torch.cuda.current_stream(device))
+            return alloc(size, device, current_stream(device))
 
         def free(pointer: int, device: int) -> None:
-            torch.cuda.caching_allocator_delete(pointer)
+            # (bound above: an array that outlives a test session is freed while the interpreter tears down
+            # torch's modules, whose attributes are None by then -- "Exception ignored" noise on every rank)
+            if not sys.is_finalizing():
+                delete(pointer)
 
         _allocator = cupy.cuda.memory.PythonFunctionAllocator(malloc, free).malloc
     return _allocator
