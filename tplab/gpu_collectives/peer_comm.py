@@ -1,7 +1,7 @@
 """PeerMemoryComm: a GPU communicator whose own all-reduce is tplab's peer-memory kernels.
 
     comm = PeerMemoryComm(tplab.comm.nccl_world(), max_bytes=256 << 20)   # collective; one node
-    y = tplab.allreduce(x_cuda, comm)        # "auto": one_shot / two_shot / ring by size, one launch per call
+    y = tplab.allreduce(x_cuda, comm)        # "auto": the one-shots / two-shots / ring by size, one launch a call
     y = tplab.allreduce(x_cuda, comm, algorithm="ring")   # tplab's hand-written ring over NCCL send/recv
 
 Everything else -- point-to-point, NCCL's other collectives, metadata -- is the NCCL communicator inside
