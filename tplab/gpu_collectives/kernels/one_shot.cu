@@ -179,34 +179,6 @@ __device__ __forceinline__ int agree_as_packs_land(Control* ctl, const Call& c, 
     return verdict;
 }
 
-// ---- the start of a kernel that pushes before it agrees (one_shot_ll, one_shot_lamport, two_shot_lamport) -----
-// What does not depend on this rank's counts is loaded before them, in the same trip to L2: the buffers'
-// addresses by step and the flags the agreement writes and reads. (Read after them, each would be one more
-// trip, a few hundred nanoseconds, on the way to the peers.) Then the counts; a kernel queued after a failed
-// call stops there (as agree does); block 0 sends its signature at once.
-struct Pushes {
-    uint4* to[MAX_RANKS];                                // to[step]: rank r + step's buffer (step 1 .. p-1)
-    const unsigned int* my_flags;                        // threads q < p, q != r: where q's signature lands
-    unsigned int* their_flags;                           // block 0's threads q: rank q's flags
-};
-__device__ __forceinline__ Pushes pushes_of(uint4* const* bufs, unsigned int* const* flags, int rank, int p,
-                                           unsigned long long sig) {
-    Pushes s;
-#pragma unroll
-    for (int step = 1; step < MAX_RANKS; step++) s.to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
-    const bool reads_signature = sig != 0 && threadIdx.x < p && threadIdx.x != rank;   // (every block)
-    s.my_flags = reads_signature ? flags[rank] : nullptr;
-    s.their_flags = reads_signature && blockIdx.x == 0 ? flags[threadIdx.x] : nullptr;   // (block 0 sends)
-    return s;
-}
-// Whether this kernel goes on: false for one queued after a failed call (finish it uncounted and return).
-__device__ __forceinline__ bool start_pushing(const Pushes& s, Control* ctl, const Call& c, unsigned long long sig,
-                                              int rank) {
-    if (sig != 0 && failed_before(c)) return false;      // (as agree)
-    if (s.their_flags) send_signature(s.their_flags, c.agreement, rank, sig);   // (its address loaded already)
-    return true;
-}
-
 // ---- one-shot, low latency: the data travels with its flag (NCCL's "LL" protocol) -----------------------
 // Every rank pushes its input straight into every peer's LL area, 8 bytes of data per 16-byte store with
 // the call's number beside each 4-byte half: {d0, call, d1, call}. A 16-byte store reaches the peer as two
@@ -225,14 +197,23 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
                             unsigned int* epochs, int rank, int p, long long packs, long long base,
                             long long slot_lines, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    // Loaded before this rank's counts, in the same trip to L2 (pushes_of): the first pack of the input too.
+    // What does not depend on this rank's counts is loaded before them, in the same trip to L2: the first
+    // pack of the input, the buffers' addresses, and the signature line's destination. (Read after them,
+    // each would be one more trip, a few hundred nanoseconds, on the way to the peers.)
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     uint4 x_first = make_uint4(0u, 0u, 0u, 0u);
     if (first < packs) x_first = x[first];
-    const Pushes push = pushes_of(bufs, flags, rank, p, sig);
+    uint4* to[MAX_RANKS];                                   // to[step]: rank r + step's buffer (step 1 .. p-1)
+#pragma unroll
+    for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
     const uint4* my_buf = bufs[rank];
+    const bool reads_signature = sig != 0 && threadIdx.x < p && threadIdx.x != rank;   // (every block)
+    const bool signals = reads_signature && blockIdx.x == 0;                             // (block 0 sends)
+    unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
+    const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (!start_pushing(push, ctl, this_call, sig, rank)) { finish(ctl, epochs, this_call, false); return; }
+    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
+    if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;
     FOR_MY_PACKS(i, 0, packs) {                              // push: two lines per 16-byte pack, to every peer
@@ -241,7 +222,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
 #pragma unroll
         for (int step = 1; step < MAX_RANKS; step++) {      // rank r starts at r+1: peers spread the load
             if (step >= p) break;
-            uint4* line = push.to[step] + area + rank * slot_lines + 2 * i;
+            uint4* line = to[step] + area + rank * slot_lines + 2 * i;
             store_line(line, low);
             store_line(line + 1, high);
         }
@@ -250,7 +231,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     // in the same trips as the agreement's lines.
     const uint4* mine = my_buf + area;
     LinesLanding land{mine, slot_lines, call, rank, p};
-    const int verdict = agree_as_packs_land(ctl, this_call, sig, push.my_flags, epochs, rank, p, first, packs, land);
+    const int verdict = agree_as_packs_land(ctl, this_call, sig, my_flags, epochs, rank, p, first, packs, land);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     FOR_MY_PACKS(i, 0, packs) {
         if (i != first) land.read(i);

@@ -69,14 +69,21 @@ __global__ void one_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
                                  unsigned int* epochs, int rank, int p, long long packs, long long base,
                                  long long slot_packs, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    // Loaded before this rank's counts, in the same trip to L2 (pushes_of): the first pack of the input too.
+    // Loaded before this rank's counts, in the same trip to L2 (one_shot_ll says why).
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     uint4 x_first = make_uint4(0u, 0u, 0u, 0u);
     if (first < packs) x_first = sanitize(x[first]);
-    const Pushes push = pushes_of(bufs, flags, rank, p, sig);
+    uint4* to[MAX_RANKS];                                   // to[step]: rank r + step's buffer (step 1 .. p-1)
+#pragma unroll
+    for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
     const uint4* my_buf = bufs[rank];
+    const bool reads_signature = sig != 0 && threadIdx.x < p && threadIdx.x != rank;
+    const bool signals = reads_signature && blockIdx.x == 0;
+    unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
+    const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (!start_pushing(push, ctl, this_call, sig, rank)) { finish(ctl, epochs, this_call, false); return; }
+    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
+    if (signals) send_signature(their_flags, this_call.agreement, rank, sig);
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_packs;
     FOR_MY_PACKS(i, 0, packs) {                              // push: one pack to every peer, as it is
@@ -84,12 +91,12 @@ __global__ void one_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
 #pragma unroll
         for (int step = 1; step < MAX_RANKS; step++) {      // rank r starts at r+1: peers spread the load
             if (step >= p) break;
-            store_line(push.to[step] + area + rank * slot_packs + i, v);
+            store_line(to[step] + area + rank * slot_packs + i, v);
         }
     }
     uint4* mine = (uint4*)my_buf + area;
     PacksLanding land{mine, slot_packs, rank, p};
-    const int verdict = agree_as_packs_land(ctl, this_call, sig, push.my_flags, epochs, rank, p, first, packs, land);
+    const int verdict = agree_as_packs_land(ctl, this_call, sig, my_flags, epochs, rank, p, first, packs, land);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     const uint4 empty = make_uint4(SENTINEL, SENTINEL, SENTINEL, SENTINEL);
     FOR_MY_PACKS(i, 0, packs) {

@@ -28,10 +28,17 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
                                  unsigned int* epochs, int rank, int p, long long chunk, long long packs,
                                  long long base, long long slot_packs, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
-    const Pushes push = pushes_of(bufs, flags, rank, p, sig);   // (loaded before this rank's counts)
+    uint4* to[MAX_RANKS];                                   // to[step]: rank r + step's buffer (step 1 .. p-1)
+#pragma unroll
+    for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
     uint4* my_buf = bufs[rank];
+    const bool reads_signature = sig != 0 && threadIdx.x < p && threadIdx.x != rank;
+    const bool signals = reads_signature && blockIdx.x == 0;
+    unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
+    const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (!start_pushing(push, ctl, this_call, sig, rank)) { finish(ctl, epochs, this_call, false); return; }
+    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
+    if (signals) send_signature(their_flags, this_call.agreement, rank, sig);
     const unsigned int call = this_call.number;
     const long long scatter = base + (long long)(call & 1u) * 2 * p * slot_packs;   // p scatter slots, then
     const long long gather = scatter + (long long)p * slot_packs;                     //  p gather slots
@@ -41,12 +48,12 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
         for (int step = 1; step < MAX_RANKS; step++) {      // rank r starts at r+1: peers spread the load
             if (step >= p) break;
             const long long j = (long long)((rank + step) % p) * chunk + i;
-            if (j < packs) store_line(push.to[step] + scatter + rank * slot_packs + i, sanitize(x[j]));
+            if (j < packs) store_line(to[step] + scatter + rank * slot_packs + i, sanitize(x[j]));
         }
     }
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     PacksLanding land{my_buf + scatter, slot_packs, rank, p};
-    const int verdict = agree_as_packs_land(ctl, this_call, sig, push.my_flags, epochs, rank, p, first, mine, land);
+    const int verdict = agree_as_packs_land(ctl, this_call, sig, my_flags, epochs, rank, p, first, mine, land);
     if (verdict != AGREED) { finish(ctl, epochs, this_call, verdict != FAILED_BEFORE); return; }
     const uint4 empty = make_uint4(SENTINEL, SENTINEL, SENTINEL, SENTINEL);
     FOR_MY_PACKS(i, 0, mine) {                              // my chunk: sum it, push the sum to everyone
@@ -65,7 +72,7 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
 #pragma unroll
         for (int step = 1; step < MAX_RANKS; step++) {
             if (step >= p) break;
-            store_line(push.to[step] + gather + rank * slot_packs + i, s);
+            store_line(to[step] + gather + rank * slot_packs + i, s);
         }
     }
     FOR_MY_PACKS(i, 0, chunk) {                             // the others' chunks, as their sums land
