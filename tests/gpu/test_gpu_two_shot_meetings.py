@@ -120,9 +120,12 @@ def test_registered_inputs_back_to_back(in_place):
     agree(right(plain_out, values) and right(small_out, values[:40]), "the calls between")
 
 
-def test_the_bench_times_registered_inputs_right():
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_bench_times_registered_inputs_right(attempt):
     """tplab bench's peer_registered (the like-for-like comparison with torch's symm_mem): its first result
-    is checked against NCCL, and it is right at every size it times."""
+    is checked against NCCL, and it is right at every size it times. Three fresh communicators in turn: once,
+    at p = 3 on a freshly started 4x H200, the 512 KiB point came out wrong everywhere (data/README.md, the
+    GPU suite's last run), and did not again in four later runs."""
     from tplab.gpu_collectives import PeerMemoryComm
     from tplab.lab.bench import time_collective
 
@@ -131,7 +134,7 @@ def test_the_bench_times_registered_inputs_right():
         for size in (4096, 1 << 19, 1 << 20):
             row = time_collective("allreduce", "peer_registered", size, comm=comm, device="gpu", graph=True,
                                   iters=5, warmup=1)
-            agree(row["wrong"] == 0, f"peer_registered at {size} bytes: {row['wrong']} wrong")
+            agree(row["wrong"] == 0, f"peer_registered at {size} bytes (attempt {attempt}): {row['wrong']} wrong")
     finally:
         comm.close()
 
