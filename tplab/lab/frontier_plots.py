@@ -137,20 +137,26 @@ def data_as_its_own_flag(parts, frontier):
 def two_shot_without_barriers(frontier):
     """One frontier run on 4 GPUs (``frontier``: tplab bench rows, CUDA graphs), 64 KiB to 4 MiB: tplab's
     two_shot_lamport (the two-shot's pushes, each half waiting for its data) against its two_shot (two barriers)
-    and one_shot_lamport (the data as its flag, p - 1 times the bytes), with torch's symmetric-memory two-shot and
-    NCCL's symmetric kernels dashed."""
-    fig, ax = plt.subplots(figsize=(min(7.5, MAX_WIDTH), 4.2), constrained_layout=True)
+    and one_shot_lamport (the data as its flag, 3x the input out of each GPU at p = 4), solid, with torch's
+    symmetric-memory two-shot and NCCL's symmetric kernels dashed; where a Lamport kernel's area ends, its line
+    ends with a note."""
+    fig, ax = plt.subplots(figsize=(min(8.0, MAX_WIDTH), 4.4), constrained_layout=True)
     graph = frontier[(frontier["mode"] == "graph") & frontier["size"].between(64 << 10, 4 << 20)]
-    for name, label in (("peer_two_shot_lamport", "tplab two_shot_lamport: no barrier"),
-                        ("peer_two_shot", "tplab two_shot: two barriers"),
-                        ("peer_one_shot_lamport", "tplab one_shot_lamport: (p-1) x the bytes"),
-                        ("symm_mem_two_shot", "torch symm_mem two-shot"), ("nccl_symmetric", "NCCL symmetric kernels")):
+    for name, label, marker in (("peer_two_shot_lamport", "tplab two_shot_lamport: no barrier", "o"),
+                                ("peer_two_shot", "tplab two_shot: two barriers", "^"),
+                                ("peer_one_shot_lamport", "tplab one_shot_lamport: 3x the input out", "."),
+                                ("symm_mem_two_shot", "torch symm_mem two-shot", "s"),
+                                ("nccl_symmetric", "NCCL symmetric kernels", ".")):
         rows = graph[graph.algorithm == name].groupby("size").time_us.median()
-        ax.plot(rows.index, rows.values, "-" if name.startswith("peer_") else "--", marker="o" if
-                name == "peer_two_shot_lamport" else ".", color=color_of(name), label=label)
-    sizes = sorted(graph["size"].unique())[::2]
+        ax.plot(rows.index, rows.values, "-" if name.startswith("peer_") else "--", marker=marker, ms=5,
+                color=color_of(name), label=label)
+        if name.endswith("_lamport") and not rows.empty and rows.index.max() < graph["size"].max():
+            offset = (-75, 8) if name == "peer_one_shot_lamport" else (6, -12)   # (clear of the other lines)
+            ax.annotate("its area ends", (rows.index.max(), rows.values[-1]), xytext=offset,
+                        textcoords="offset points", fontsize=8, color=color_of(name))
+    sizes = sorted(graph["size"].unique())
     ax.set(xscale="log", xlabel="bytes per rank", ylabel="µs per all-reduce (CUDA graph)", ylim=(0, None),
-           title="4x H200: a two-shot whose data is its own flag")
+           title="4x H200, one frontier run: solid tplab, dashed the other libraries")
     _by_size(ax, sizes, legend_size=8)
     return fig
 
