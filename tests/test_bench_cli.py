@@ -88,3 +88,46 @@ def test_anchors_that_cannot_share_a_process_say_why():
 
     assert "separate runs" in unavailable(["nccl_symmetric", "symm_mem_two_shot"])
     assert unavailable(["nccl"]) in (None, "the anchors run on CUDA GPUs")
+
+
+def test_a_nan_where_the_builtin_has_a_number_counts_as_wrong():
+    """The float comparison counts what is *not* within the rounding bound: a NaN is never within it (a kernel
+    that gave up on a peer writes NaN sums, which "difference > bound" would have let through)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tplab.lab.bench import _wrong
+
+    one_rank = SimpleNamespace(size=2, allgather_object=lambda value: [value])
+    want = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    got = want.copy()
+    got[[1, 3]] = np.nan
+    assert _wrong("allreduce", got, want, want, one_rank, "sum") == 2
+    assert _wrong("allreduce", want.copy(), want, want, one_rank, "sum") == 0
+
+
+def test_a_peer_memory_failure_is_reported_on_every_rank():
+    """tplab bench asks the peer memory after each GPU point: a failure any rank saw (a timed-out call stops
+    the kernels without writing, silently) becomes one message that every rank has, so every rank raises."""
+    from types import SimpleNamespace
+
+    from tplab.lab.bench import peer_memory_failure
+
+    class Peers:
+        def __init__(self, problem):
+            self.problem = problem
+
+        def raise_pending(self):
+            if self.problem:
+                raise TimeoutError(self.problem)
+
+    def comm(rank, problem, others):
+        return SimpleNamespace(rank=rank, peers=Peers(problem),
+                               allgather_object=lambda mine: [mine, *others] if rank == 0 else [*others, mine])
+
+    assert peer_memory_failure(comm(0, "", [""])) == ""
+    assert peer_memory_failure(comm(1, "", ["rank 0: TimeoutError: rank 1 never came"])) \
+        == "rank 0: TimeoutError: rank 1 never came"
+    assert peer_memory_failure(comm(0, "rank 1 never came", [""])) == "rank 0: TimeoutError: rank 1 never came"
+    assert peer_memory_failure(SimpleNamespace(rank=0)) == ""   # (no peer memory: nothing to ask, no all-gather)

@@ -133,6 +133,9 @@ def test_two_shot_lamport_takes_what_its_slots_hold():
         packs = limit // PACK
         chunk = -(-packs // (p * LINE_PACKS)) * LINE_PACKS       # (PeerMemory.allreduce_kernel's)
         assert chunk <= pm.lamport_slot_packs // 2 and 2 * p * (pm.lamport_slot_packs // 2) * PACK == p << 20
+    small = SimpleNamespace(size=4, small=1 << 20, ll_bytes=256 << 10, lamport_bytes=1 << 20,
+                            lamport_slot_packs=(1 << 20) // PACK, nbytes=1 << 20)
+    assert PeerMemory.limit(small, "two_shot_lamport") == 1 << 20   # (never past what any input may be: nbytes)
 
 
 @given(packs=st.integers(1, 1 << 26), p=st.integers(2, 8), lines=st.integers(1, 1 << 16))

@@ -237,9 +237,11 @@ class PeerMemory(GpuAgreement):
 
     # ---- the all-reduce ---------------------------------------------------------------------------------
     def limit(self, algorithm: str) -> int:
-        """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own)."""
+        """The most bytes per rank ``algorithm`` takes (the one-shots stage in areas of their own; two_shot_lamport
+        fills p slots of half one_shot_lamport's, and like every algorithm no more than the buffers hold)."""
+        slots = self.size * self.lamport_slot_packs // 2 * PACK
         return {"one_shot": self.small, "one_shot_ll": self.ll_bytes, "one_shot_lamport": self.lamport_bytes,
-                "two_shot_lamport": self.size * self.lamport_slot_packs // 2 * PACK}.get(algorithm, self.nbytes)
+                "two_shot_lamport": min(self.nbytes, slots)}.get(algorithm, self.nbytes)
 
     def choose(self, nbytes: int, element: str = "float") -> str:
         """What "auto" runs for ``nbytes`` per rank of ``element``s (peer_kernels.KERNEL_TYPES' values): the

@@ -93,8 +93,25 @@ def _wrong(collective, got, want, x, comm, op) -> int:
     else:
         tolerance = sum_tolerance(comm.size, np.finfo(got.dtype).eps)
         scale = xp.maximum(xp.abs(want.astype(np.float64)), 1.0)
-        wrong = int(xp.count_nonzero(xp.abs(got.astype(np.float64) - want) > tolerance * scale))
+        # (not "> tolerance": a NaN compares false either way, and a NaN where the built-in has a number is wrong)
+        wrong = int(xp.count_nonzero(~(xp.abs(got.astype(np.float64) - want) <= tolerance * scale)))
     return sum(comm.allgather_object(wrong))
+
+
+def peer_memory_failure(comm) -> str:
+    """What a communicator's peer memory (PeerMemoryComm.peers) found wrong since the last look, on any rank
+    ('' if nothing; the same on every rank). A peer-memory call that timed out or disagreed stops its kernels
+    without writing, and only the next call would raise -- after a benchmark point that is never: its timings and
+    an in-place result would then be silently wrong. Collective (one host all-gather) where ``comm`` has one."""
+    peers = getattr(comm, "peers", None)
+    if peers is None or not hasattr(peers, "raise_pending"):
+        return ""
+    mine = ""
+    try:
+        peers.raise_pending()
+    except Exception as error:  # noqa: BLE001 - any of them: reported on every rank below
+        mine = f"rank {comm.rank}: {type(error).__name__}: {error}"
+    return "; ".join(said for said in comm.allgather_object(mine) if said)
 
 
 REGISTERED = "peer_registered"  # tplab's kernels on an input already in the shared buffer, in place
@@ -201,6 +218,9 @@ def time_collective(collective, algorithm, size, *, dtype="float32", op="sum", i
         run()
     if gpu:
         mine = (_timed_in_graph if graph else _timed_on_gpu)(run, comm, iters)
+        failure = peer_memory_failure(comm)   # (after the validation, the warm-up and the timed calls)
+        if failure:
+            raise RuntimeError(f"{collective} {algorithm} at {size} bytes: the peer memory failed ({failure})")
     else:
         mine = np.empty(iters)
         for i in range(iters):
