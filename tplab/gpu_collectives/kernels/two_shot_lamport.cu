@@ -28,6 +28,8 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
                                  unsigned int* epochs, int rank, int p, long long chunk, long long packs,
                                  long long base, long long slot_packs, Control* ctl, unsigned long long sig) {
     after_previous_kernel();
+    // (one_shot_ll's and one_shot_lamport's start, written out again on purpose: as one shared inlined helper
+    //  the three kernels measured 0.02-0.3 us slower, data/gpu_peer_kernels_4x-h200_shared-prologue.csv)
     uint4* to[MAX_RANKS];                                   // to[step]: rank r + step's buffer (step 1 .. p-1)
 #pragma unroll
     for (int step = 1; step < MAX_RANKS; step++) to[step] = step < p ? bufs[(rank + step) % p] : nullptr;
