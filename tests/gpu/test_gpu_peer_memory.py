@@ -174,6 +174,32 @@ def test_signature_zero_meets_before_it_writes():
     agree(wrong == 0, f"signature 0: {wrong} of {len(runs) * len(copies)} results wrong")
 
 
+@pytest.mark.skipif(P < 2, reason="a failed agreement needs two ranks")
+@pytest.mark.parametrize("algorithm", ["one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport", "two_shot",
+                                       "ring"])
+def test_signature_zero_stops_behind_a_failure_not_yet_raised(algorithm):
+    """A persistent launch with signature 0 agreed long before. Queued behind a call that failed on the GPUs
+    and was not raised yet, it must stop without writing: the peers raise and set their areas back, and a
+    push landing after that would be read as data two calls on. Then the failure raises on every rank, and
+    the same launch is right again."""
+    x, values = inputs("float32", 4096)
+    out = cupy.full_like(x, -7.0)
+    again = PEERS.allreduce_init(x, out, algorithm, sig=0)
+    count = 64 + 4 * COMM.rank                                    # (the ranks disagree)
+    failing = PEERS.allreduce_init(cupy.ones(count, "float32"), cupy.empty(count, "float32"), "one_shot_lamport")
+    failing()
+    again()
+    cupy.cuda.get_current_stream().synchronize()
+    untouched = bool((out == -7.0).all())
+    with pytest.raises(ValueError, match="ranks disagree"):
+        PEERS.raise_pending()
+    agree(untouched, f"{algorithm} with signature 0 wrote after a failed call")
+    want, scale = NCCL.builtin_allreduce(values), NCCL.builtin_allreduce(cupy.abs(values))
+    for k in range(3):                                            # (both halves of the Lamport areas)
+        again()
+        agree(close(out.astype(cupy.float64), want, scale, "float32"), f"{algorithm} call {k} after the raise")
+
+
 def test_algorithms_in_any_order():
     """Each algorithm leaves the flags and buffers fit for any other next (one_shot's own double buffer,
     every call's meeting before it writes into a peer): a random sequence of all of them, each checked."""

@@ -60,6 +60,7 @@ ALGORITHMS = ("one_shot", "one_shot_ll", "one_shot_lamport", "two_shot_lamport",
 SMALL_BYTES = 8 << 20       # one_shot's limit: it has a double-buffered area of its own, 2 x this
 LL_BYTES = 256 << 10        # one_shot_ll's limit: its area holds 2 halves x p senders x twice this (data + flags)
 LAMPORT_BYTES = 1 << 20     # one_shot_lamport's limit: its area, after one_shot_ll's, 2 halves x p senders x this
+CLOCK_RATE_ATTRIBUTE = 13  # cudaDevAttrClockRate: the SM clock at its peak, in kHz
 PULLED = 1 << 40  # flipped in a call's signature when its input is pulled from the shared buffer (same count, dtype)
 # (1 << 41 is the kernels' early bit: two_shot.cu flips it in the signature of a call that pushes before it agrees)
 THREADS = 512
@@ -152,9 +153,10 @@ class PeerMemory(GpuAgreement):
         self.status = np.ctypeslib.as_array((ctypes.c_uint32 * STATUS_WORDS).from_address(self._status_pointer))
         self.status[:] = 0
         self.broken: str | None = None                               # set when a peer never came
-        # struct Control of kernels/agreement.cuh: calls | finished, verdict, timeout_ns, status pointer,
-        # failed | written, two_shot_call | unused
-        self.control = cupy.asarray(np.array([0, 0, int(timeout * 1e9), self._status_pointer, 0, 0], dtype=np.uint64))
+        # struct Control of kernels/agreement.cuh: calls | finished, verdict, timeout_cycles, status pointer,
+        # failed | written, two_shot_call | unused. The timeout in SM cycles at the GPU's peak clock (kHz).
+        cycles = int(timeout * 1e3 * rt.deviceGetAttribute(CLOCK_RATE_ATTRIBUTE, self.device))
+        self.control = cupy.asarray(np.array([0, 0, cycles, self._status_pointer, 0, 0], dtype=np.uint64))
         cupy.cuda.Device().synchronize()
         handles = mpi_comm.allgather([rt.ipcGetMemHandle(p) for p in self._own])
         self._opened, data, flags = [], [], []

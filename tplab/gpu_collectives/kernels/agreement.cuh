@@ -10,7 +10,7 @@
 // kernel returns before it writes any output (one_shot_ll, and two_shot after a two_shot, have pushed into the
 // peers' shared buffers by then: two_shot.cu), and each writes what it saw into host memory (`status`),
 // from where tplab raises on every rank. A peer that never comes (a program whose ranks diverged) is given
-// up on after ctl->timeout_ns: status TIMEOUT, and this peer memory is unusable from then on.
+// up on after the timeout: status TIMEOUT, and this peer memory is unusable from then on.
 // The other blocks of the grid wait for block 0's verdict, tagged with the call's number so that an older
 // verdict is never taken for this call's (one_shot_ll's blocks read the lines themselves where they agree:
 // one_shot.cu). The verdict is a plain store (one_shot: a release), and none at all
@@ -28,7 +28,7 @@ struct Control {                      // this rank's own (device memory; peers n
     unsigned int calls;               // collective calls finished here: bumped by the last block to finish
     unsigned int finished;            // blocks of the running call that have finished
     unsigned long long verdict;       // (call << 32) | code, published by block 0
-    unsigned long long timeout_ns;
+    unsigned long long timeout_cycles;   // (waited_past_timeout)
     unsigned int* status;             // host memory, mapped: code, peer, its signature (2 words), call, mine (2)
     unsigned int failed;              // an agreement failed here and the host has not raised it yet: the
                                       //  failed call's mark (failure_mark), 1 after a peer timed out
@@ -90,8 +90,14 @@ __device__ __forceinline__ void barrier(unsigned int* const* flags, Call& c, int
     __syncthreads();
 }
 
-__device__ __forceinline__ unsigned long long globaltimer() {
-    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+// How long a rank has waited for a peer (Control::timeout_cycles: when to give up on it) is counted in the SM's
+// own cycles, not by %globaltimer: the global timer is the host's wall clock (it read within 0.03 ms of it on
+// 4x H200), which a time service may step by seconds at any moment, and a wait of microseconds across such a
+// step would look like one past the timeout. The host converts the timeout at the GPU's peak clock
+// (cudaDevAttrClockRate), so a slower clock only waits longer. (A waiting thread reads its own SM's clock.)
+__device__ __forceinline__ unsigned long long wait_clock() { return clock64(); }
+__device__ __forceinline__ bool waited_past_timeout(const Control* ctl, unsigned long long start) {
+    return wait_clock() - start > ctl->timeout_cycles; }
 __device__ __forceinline__ void store_release_gpu(unsigned long long* p, unsigned long long v) {
     asm volatile("st.release.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
 __device__ __forceinline__ unsigned long long load_acquire_gpu(const unsigned long long* p) {
@@ -156,7 +162,7 @@ __device__ __forceinline__ int compare_signature(uint4 line, unsigned long long 
 }
 
 // Block 0, once its signature lines are out: wait for every peer's line of this call's agreement (a peer that
-// never comes: TIMEOUT after ctl->timeout_ns), compare, decide (thread 0) and publish the verdict. Returns it
+// never comes: TIMEOUT once the timeout has passed), compare, decide (thread 0) and publish the verdict. Returns it
 // in every thread of the block. ``acquire``: the line also orders the peer's data before it (one_shot).
 __device__ int collect_signatures(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
                                   unsigned int* epochs, int rank, int p, bool acquire) {
@@ -173,8 +179,8 @@ __device__ int collect_signatures(Control* ctl, const Call& c, unsigned long lon
         int o = AGREED;
         uint4 line = load_line(mine);
         while (!line_has(line, e)) {
-            if (start == 0) start = globaltimer();
-            if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { o = TIMEOUT; break; }
+            if (start == 0) start = wait_clock();
+            if ((++spins & 1023u) == 0 && waited_past_timeout(ctl, start)) { o = TIMEOUT; break; }
             line = load_line(mine);
         }
         if (o == AGREED) {
@@ -200,11 +206,12 @@ __device__ int collect_signatures(Control* ctl, const Call& c, unsigned long lon
 // nothing.
 __device__ int agree(Control* ctl, const Call& c, unsigned long long sig, unsigned int* const* flags,
                      unsigned int* epochs, int rank, int p, bool after_writes = false) {
-    if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     // After a failed agreement, kernels queued before the host has raised it (a rank whose call did not wait)
     // stop at once without meeting anyone: the peers raised and are not coming (PeerMemory.raise_pending
-    // clears the flag on the stream when it raises).
+    // clears the flag on the stream when it raises). Signature 0 too: a persistent launch or a graph replay
+    // agreed long before, and pushing now would land in areas the peers have cleaned up after the failure.
     if (failed_before(c)) return FAILED_BEFORE;
+    if (sig == 0 && !after_writes) return AGREED;        // agreed already, by agree_only before this kernel
     __shared__ int verdict;
     const bool count_writes = after_writes && gridDim.x > 1;   // (one block: __syncthreads orders its writes)
     if (count_writes && threadIdx.x == 0) {
@@ -295,8 +302,8 @@ extern "C" __global__ void failure_barrier(Control* ctl, unsigned int* const* fl
         unsigned long long start = 0;
         unsigned int spins = 0;
         while ((int)(load_acquire(mine) - e) < 0) {           // wrap-safe "mine < e"
-            if (start == 0) start = globaltimer();
-            if ((++spins & 1023u) == 0 && globaltimer() - start > ctl->timeout_ns) { late = q; break; }
+            if (start == 0) start = wait_clock();
+            if ((++spins & 1023u) == 0 && waited_past_timeout(ctl, start)) { late = q; break; }
         }
     }
     __syncthreads();

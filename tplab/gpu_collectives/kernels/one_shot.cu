@@ -34,7 +34,7 @@ __global__ void one_shot(const uint4* x, uint4* out, uint4* const* bufs, unsigne
     finish(ctl, epochs, this_call);
 }
 
-// Rank q's line never came, and this thread gives up (after ctl->timeout_ns, or at once once another thread
+// Rank q's line never came, and this thread gives up (after the timeout, or at once once another thread
 // has): reported as the agreement reports a peer that never came. The first to give up writes the status;
 // a failed agreement's mark in Control::failed stays as it is.
 __device__ __forceinline__ void give_up_on(Control* ctl, int q, unsigned int call) {
@@ -47,14 +47,14 @@ __device__ __forceinline__ void give_up_on(Control* ctl, int q, unsigned int cal
     }
 }
 __device__ __forceinline__ bool should_give_up(Control* ctl, unsigned long long start) {
-    return *(volatile unsigned int*)&ctl->failed || globaltimer() - start > ctl->timeout_ns; }
+    return *(volatile unsigned int*)&ctl->failed || waited_past_timeout(ctl, start); }
 
 // Poll a line from rank q until it is this call's. A peer that agreed to the call then pushes its data, so
 // waiting can only fail if its process died mid-call: give up (give_up_on).
 __device__ __forceinline__ uint2 wait_line(const uint4* line, unsigned int call, Control* ctl, int q) {
     uint4 v = load_line(line);
     if (!line_has(v, call)) {
-        const unsigned long long start = globaltimer();
+        const unsigned long long start = wait_clock();
         unsigned int spins = 0;
         do {
             v = load_line(line);
@@ -96,7 +96,7 @@ struct LinesLanding {
 // much as the rest of the call.) A block that finds every line matching goes on by itself: every block reads
 // the same lines, so they find the same. (Blocks other than 0 used to wait for block 0's verdict, one more
 // store and load through L2 after the last line: about 0.3 µs a call at 16-64 KiB on 4x H100. The one way
-// they can differ: a peer's line that lands after block 0 gave up on it, ctl->timeout_ns late, may still be
+// they can differ: a peer's line that lands after block 0 gave up on it, the timeout late, may still be
 // seen by a block that has not yet seen Control::failed; that block sums, and the host raises TIMEOUT as
 // for any failed call.) Only where a line does not match, or never comes, does block 0 decide (decide: the
 // status, the failure mark) and the other blocks take its verdict -- at once where this rank refuses its
@@ -138,7 +138,7 @@ __device__ __forceinline__ int agree_as_packs_land(Control* ctl, const Call& c, 
         }
         if (data_due && land.missing() < 0) data_due = false;
         if (!signature_due && !data_due) break;
-        if (start == 0) start = globaltimer();
+        if (start == 0) start = wait_clock();
         ++spins;                                         // (Control::failed is a trip to L2: every 8th spin)
         const bool failed = !lead && (spins & 7u) == 0 && *(volatile unsigned int*)&ctl->failed;
         if (!signature_due && (*(volatile int*)&doomed || failed)) break;
@@ -148,7 +148,7 @@ __device__ __forceinline__ int agree_as_packs_land(Control* ctl, const Call& c, 
             break;
         }
         if ((spins & 1023u) == 0) {
-            if (signature_due && globaltimer() - start > ctl->timeout_ns) {   // as agree: a peer that never came
+            if (signature_due && waited_past_timeout(ctl, start)) {   // as agree: a peer that never came
                 outcome[t] = TIMEOUT;                                          // (its own clock only, so that
                 *(volatile int*)&doomed = 1;                                   //  the status names that peer)
                 break;
@@ -212,7 +212,7 @@ __global__ void one_shot_ll(const uint4* x, uint4* out, uint4* const* bufs, unsi
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
+    if (failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }   // (as agree)
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);   // (its address loaded already)
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_lines;

@@ -53,7 +53,7 @@ struct PacksLanding {
 __device__ __forceinline__ uint4 wait_pack(const uint4* pack, Control* ctl, int q, unsigned int call) {
     uint4 v = load_line(pack);
     if (!landed(v)) {
-        const unsigned long long start = globaltimer();
+        const unsigned long long start = wait_clock();
         unsigned int spins = 0;
         do {
             v = load_line(pack);
@@ -82,7 +82,7 @@ __global__ void one_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
+    if (failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);
     const unsigned int call = this_call.number;
     const long long area = base + (long long)(call & 1u) * p * slot_packs;
@@ -110,7 +110,7 @@ __global__ void one_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
             if (q != rank) {
                 uint4* pack = mine + q * slot_packs + i;
                 got = landed(land.v[q]) ? land.v[q] : wait_pack(pack, ctl, q, call);
-                *pack = empty;                              // (read: the sentinel back, for two calls on)
+                store_line(pack, empty);                    // (read: the sentinel back, for two calls on)
             }
             v[q].raw = got;
         }

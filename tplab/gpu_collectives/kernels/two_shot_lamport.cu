@@ -39,7 +39,7 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
     unsigned int* their_flags = signals ? flags[threadIdx.x] : nullptr;
     const unsigned int* my_flags = reads_signature ? flags[rank] : nullptr;
     const Call this_call = begin_call(ctl, epochs);
-    if (sig != 0 && failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
+    if (failed_before(this_call)) { finish(ctl, epochs, this_call, false); return; }
     if (signals) send_signature(their_flags, this_call.agreement, rank, sig);
     const unsigned int call = this_call.number;
     const long long scatter = base + (long long)(call & 1u) * 2 * p * slot_packs;   // p scatter slots, then
@@ -67,7 +67,7 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
             if (q == rank) { v[q].raw = sanitize(x[mine_from + i]); continue; }
             uint4* pack = my_buf + scatter + q * slot_packs + i;
             v[q].raw = landed(land.v[q]) ? land.v[q] : wait_pack(pack, ctl, q, call);
-            *pack = empty;                                  // (read: the sentinel back, for two calls on)
+            store_line(pack, empty);                        // (read: the sentinel back, for two calls on)
         }
         const uint4 s = sanitize(sum_packs<T>(v, p));      // (a sum is never the sentinel; kept safe anyway)
         out[mine_from + i] = s;
@@ -90,7 +90,7 @@ __global__ void two_shot_lamport(const uint4* x, uint4* out, uint4* const* bufs,
             if (step >= p || (long long)q * chunk + i >= packs) continue;
             uint4* pack = my_buf + gather + q * slot_packs + i;
             out[(long long)q * chunk + i] = landed(got[step]) ? got[step] : wait_pack(pack, ctl, q, call);
-            *pack = empty;
+            store_line(pack, empty);
         }
     }
     finish(ctl, epochs, this_call, true, false, sig != 0 ? this_call.agreement : 0u);   // (counts the agreement)
