@@ -483,6 +483,9 @@ class PeerMemory(GpuAgreement):
         self.mpi.Barrier()                                    # nobody reads our memory any more
         for pointer in self._opened:
             rt.ipcCloseMemHandle(pointer)
+        # Every peer unmaps ours before it is freed: freeing memory that another process still has open is
+        # undefined (cudaIpcCloseMemHandle's documentation), and the next allocation here may reuse it.
+        self.mpi.Barrier()
         for pointer in self._own:
             rt.free(pointer)
         self._opened, self._own = [], []
