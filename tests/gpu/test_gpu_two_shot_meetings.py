@@ -123,9 +123,10 @@ def test_registered_inputs_back_to_back(in_place):
 @pytest.mark.parametrize("attempt", range(3))
 def test_the_bench_times_registered_inputs_right(attempt):
     """tplab bench's peer_registered (the like-for-like comparison with torch's symm_mem): its first result
-    is checked against NCCL, and it is right at every size it times. Three fresh communicators in turn: once,
-    at p = 3 on a freshly started 4x H200, the 512 KiB point came out wrong everywhere (data/README.md, the
-    GPU suite's last run), and did not again in four later runs."""
+    is checked against NCCL, and it is right at every size it times. Three fresh communicators in turn. As the
+    first run on freshly started 4x H200s at p = 3 this test failed (one rank never saw a peer's pushes) until
+    PeerMemory.close waited for every peer to unmap its memory before freeing it (data/README.md, the GPU
+    suite's last run)."""
     from tplab.gpu_collectives import PeerMemoryComm
     from tplab.lab.bench import time_collective
 
