@@ -148,7 +148,7 @@ __device__ __forceinline__ int agree_as_packs_land(Control* ctl, const Call& c, 
             break;
         }
         if ((spins & 1023u) == 0) {
-            if (signature_due && waited_past_timeout(ctl, start)) {   // as agree: a peer that never came
+            if (signature_due && waited_past_timeout(ctl, start)) {            // as agree: a peer that never came
                 outcome[t] = TIMEOUT;                                          // (its own clock only, so that
                 *(volatile int*)&doomed = 1;                                   //  the status names that peer)
                 break;
